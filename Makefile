@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DOMINO_HOST ?= 127.0.0.1
+DOMINO_PORT ?= 8000
+
+.PHONY: install serve test test-fast lint clean
+
+$(STAMP): requirements.txt constraints.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	DOMINO_HOST=$(DOMINO_HOST) DOMINO_PORT=$(DOMINO_PORT) $(VENV)/bin/domino-serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP)
+	bash scripts/ensure_prometheus.sh
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

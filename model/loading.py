@@ -1,0 +1,113 @@
+"""Load a target (HF causal LM + tokenizer) and a drafter, and assemble an Engine."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from model.checkpoint import load_drafter
+from model.drafter import Drafter
+from model.engine import Engine
+from model.target import TargetModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "default"
+# The drafters this project trained for the embedded default target (see models/README.md).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFTER_DIR = REPO_ROOT / "models" / "smollm2-135m-domino"
+DEFAULT_DFLASH_DRAFTER_DIR = REPO_ROOT / "models" / "smollm2-135m-dflash"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """`auto`: bf16 on CUDA, fp32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_target(
+    name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """An HF causal LM and its tokenizer; `default` is the embedded SmolLM2-135M-Instruct."""
+    if name_or_path == DEFAULT_TARGET:
+        from model.default_model import ensure_default_target
+
+        name_or_path = str(ensure_default_target())
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return model.to(device).eval(), tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """EOS ids from the generation config (may be a list) and the tokenizer."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def default_drafter_path(mode: str) -> Path | None:
+    path = DEFAULT_DFLASH_DRAFTER_DIR if mode == "dflash" else DEFAULT_DRAFTER_DIR
+    if mode == "dflash" and not path.exists():
+        path = DEFAULT_DRAFTER_DIR  # Domino checkpoint with its head off
+    return path if (path / "model.safetensors").exists() else None
+
+
+def build_engine(
+    target: str = DEFAULT_TARGET,
+    drafter: str | None = None,
+    mode: str = "domino",
+    dtype: str = "auto",
+    device: str = "auto",
+    max_batch_size: int = 8,
+    max_model_len: int = 2048,
+    **engine_kwargs: object,
+) -> tuple[Engine, PreTrainedTokenizerBase]:
+    """Load everything a server needs. With the default target and no drafter given, the drafter
+    shipped in models/ is used; where none fits, the engine falls back to `ar` and logs why."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model, tokenizer = load_target(target, torch_dtype, dev)
+    draft_model: Drafter | None = None
+    if mode != "ar":
+        path: Path | None = Path(drafter) if drafter else None
+        if path is None and target == DEFAULT_TARGET:
+            path = default_drafter_path(mode)
+        if path is None:
+            log.warning("no drafter given for mode %r: serving in 'ar' mode (plain decoding)", mode)
+            mode = "ar"
+        else:
+            draft_model = load_drafter(path, dtype=torch_dtype, device=dev, target_config=model.config)
+            if mode == "domino" and not draft_model.config.has_head:
+                log.warning("drafter %s has no Domino head: serving in 'dflash' mode", path)
+                mode = "dflash"
+    engine = Engine(
+        TargetModel(model),
+        draft_model,
+        mode=mode,
+        max_batch_size=max_batch_size,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        **engine_kwargs,  # type: ignore[arg-type]
+    )
+    return engine, tokenizer

@@ -1,0 +1,164 @@
+"""Token choice and lossless speculative verification.
+
+Every random choice is made by inverse-CDF lookup of a uniform number that the engine draws from
+the row's own generator, so a seeded request makes the same choices alone or in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for R rows. temperature 0 means greedy."""
+
+    temperature: torch.Tensor  # [R] float
+    top_p: torch.Tensor  # [R] float in (0, 1]
+    top_k: torch.Tensor  # [R] long, 0 = off
+    uniforms: torch.Tensor | None = None  # [R, D] one uniform per draft slot (sampling rows)
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature <= 0
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(self.greedy.all())
+
+    def rows(self, index: torch.Tensor) -> SamplingBatch:
+        return SamplingBatch(
+            self.temperature[index],
+            self.top_p[index],
+            self.top_k[index],
+            None if self.uniforms is None else self.uniforms[index],
+        )
+
+
+def _expand(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-row parameter [R] -> shape of like[..., 0]."""
+    return param.view(param.shape + (1,) * (like.dim() - 1 - param.dim())).expand(like.shape[:-1])
+
+
+def processed_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The distribution being sampled: temperature, then top-k, then top-p (as in HF generate).
+
+    logits [..., V]; temperature/top_k/top_p broadcastable per leading row ([R]).
+    """
+    temperature = _expand(temperature, logits)
+    top_k = _expand(top_k, logits)
+    top_p = _expand(top_p, logits)
+    scores = logits.float() / temperature.clamp_min(1e-6)[..., None]
+    vocab = scores.shape[-1]
+    use_k = bool(((top_k > 0) & (top_k < vocab)).any())
+    use_p = bool((top_p < 1).any())
+    if not (use_k or use_p):
+        return torch.softmax(scores, dim=-1)
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    if use_k:
+        ranks = torch.arange(vocab, device=scores.device)
+        drop = (top_k[..., None] > 0) & (ranks >= top_k[..., None])
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    if use_p:
+        # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs * (before < top_p[..., None])
+        sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of probs [..., V] with u [...] in [0, 1); never picks a zero-mass token."""
+    cdf = probs.double().cumsum(-1)
+    target = u.double()[..., None] * cdf[..., -1:]
+    idx = torch.searchsorted(cdf, target, right=True)
+    return idx.clamp_max(probs.shape[-1] - 1).squeeze(-1)
+
+
+def pick_tokens(
+    logits: torch.Tensor, sampling: SamplingBatch, slot: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Choose one token per distribution in logits [R, V] (slot given) or [R, D, V].
+
+    Returns (ids, probability of each chosen id, full distributions or None when all greedy).
+    Greedy rows take the argmax; their probability is the plain softmax's (used as confidence).
+    """
+    greedy_ids = logits.argmax(-1)
+    greedy_probs = torch.softmax(logits.float(), dim=-1).gather(-1, greedy_ids[..., None]).squeeze(-1)
+    if sampling.all_greedy:
+        return greedy_ids, greedy_probs, None
+    assert sampling.uniforms is not None, "sampling rows need uniforms"
+    temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p)
+    u = sampling.uniforms[:, slot] if slot is not None else sampling.uniforms[:, : logits.shape[1]]
+    sampled = sample_with_uniform(probs, u)
+    greedy = _expand(sampling.greedy, logits)
+    ids = torch.where(greedy, greedy_ids, sampled)
+    chosen_probs = torch.where(greedy, greedy_probs, probs.gather(-1, sampled[..., None]).squeeze(-1))
+    return ids, chosen_probs, probs
+
+
+def verify_greedy(
+    target_logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix of drafts [R, K] equal to the target's argmax; returns (accepted [R], bonus [R]).
+
+    target_logits [R, K + 1, V] are the target's logits after the anchor and each draft.
+    """
+    post = target_logits.argmax(-1)  # [R, K + 1]
+    k = drafts.shape[1]
+    valid = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    match = (drafts == post[:, :k]) & valid
+    accepted = match.long().cumprod(-1).sum(-1)
+    bonus = post.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
+
+
+def verify_sampling(
+    target_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_token_probs: torch.Tensor,
+    draft_dists: torch.Tensor | None,
+    num_drafts: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_final: torch.Tensor,
+    draft_vocab_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard speculative sampling (lossless): accept draft i with prob min(1, p_i(d_i) / q_i(d_i)),
+    on the first rejection sample from normalize(max(p - q, 0)), else the bonus from p.
+
+    target_probs [R, K + 1, V]; drafts [R, K] full ids; draft_token_probs [R, K] = q_i(d_i);
+    draft_dists [R, K, Vd] (Vd = V unless draft_vocab_ids maps the draft vocabulary);
+    u_accept [R, K], u_final [R].
+    """
+    r, k = drafts.shape
+    dev = drafts.device
+    valid = torch.arange(k, device=dev)[None, :] < num_drafts[:, None]
+    if k > 0:
+        p_draft = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+        ok = (u_accept[:, :k] * draft_token_probs < p_draft) & valid
+        accepted = ok.long().cumprod(-1).sum(-1)
+    else:
+        accepted = torch.zeros(r, dtype=torch.long, device=dev)
+    rows = torch.arange(r, device=dev)
+    p_final = target_probs[rows, accepted]  # [R, V]
+    rejected = accepted < num_drafts
+    if bool(rejected.any()):
+        assert draft_dists is not None
+        q_at = draft_dists[rows, accepted.clamp_max(max(k - 1, 0))].to(p_final.dtype)
+        if draft_vocab_ids is not None:
+            q_full = torch.zeros_like(p_final).index_copy_(1, draft_vocab_ids, q_at)
+        else:
+            q_full = q_at
+        residual = (p_final - q_full).clamp_min(0)
+        total = residual.sum(-1, keepdim=True)
+        # total == 0 only when p == q, where rejection has probability zero; fall back to p.
+        residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_final)
+        p_final = torch.where(rejected[:, None], residual, p_final)
+    bonus = sample_with_uniform(p_final, u_final)
+    return accepted, bonus

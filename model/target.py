@@ -1,0 +1,159 @@
+"""The target model: any Hugging Face causal LM, run over ragged rows with a preallocated KV cache.
+
+Rows of a batch occupy consecutive slots `lo .. lo + R - 1` of the cache. Each forward writes row
+r's T new keys/values at that row's own offset, attends through an explicit 4D mask, and returns
+logits plus the hidden states of the tapped layers (the drafter's context features). Rolling back
+rejected tokens is free: a row's length simply isn't advanced past them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+
+class RaggedKVCache(Cache):
+    """Per-slot KV buffers [slots, kv_heads, capacity, head_dim] for every target layer."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_slots: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(layers=[])
+        shape = (max_slots, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.capacity = capacity
+        # Set by `prepare` for one forward.
+        self._lo = 0
+        self._hi = 0
+        self._kv_len = 0
+        self._index: tuple[torch.Tensor, ...] = ()
+
+    def prepare(self, lo: int, start: torch.Tensor, num_new: int) -> None:
+        """Route the next forward's writes: rows lo.., token t of row r goes to start[r] + t."""
+        r = start.shape[0]
+        dev = start.device
+        kv_heads = self.keys[0].shape[1]
+        self._lo, self._hi = lo, lo + r
+        self._kv_len = int(start.max()) + num_new
+        rows = torch.arange(lo, lo + r, device=dev)[:, None, None]
+        heads = torch.arange(kv_heads, device=dev)[None, :, None]
+        pos = (start[:, None] + torch.arange(num_new, device=dev)[None, :])[:, None, :]
+        self._index = (rows, heads, pos)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_put_(self._index, key_states.to(k.dtype))
+        v.index_put_(self._index, value_states.to(v.dtype))
+        return k[self._lo : self._hi, :, : self._kv_len], v[self._lo : self._hi, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def move_row(self, src: int, dst: int) -> None:
+        n = int(self.lengths[src])
+        for k, v in zip(self.keys, self.values):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self.lengths[dst] = self.lengths[src]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [R, T, V] (or [R, 1, V] when only the last position was asked for)
+    features: torch.Tensor | None  # [R, T, K*H] concatenated taps, when taps are set
+
+
+class TargetModel:
+    """Wraps an HF causal LM: ragged forwards over a RaggedKVCache, with hidden-state taps."""
+
+    def __init__(self, hf_model: nn.Module, tap_layer_ids: list[int] | None = None) -> None:
+        self.hf_model = hf_model.eval()
+        self.config = hf_model.config
+        self.decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else hf_model.model
+        self.lm_head = hf_model.get_output_embeddings()
+        self.embed_tokens = hf_model.get_input_embeddings()
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.dtype = next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads)
+        self.head_dim = int(
+            getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        )
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        self.tap_layer_ids: list[int] = []
+        self.set_taps(tap_layer_ids or [])
+
+    def set_taps(self, tap_layer_ids: list[int]) -> None:
+        """Capture the outputs of these decoder layers (HF `hidden_states[l + 1]`)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.tap_layer_ids = list(tap_layer_ids)
+        layers = self.decoder.layers
+        for layer_id in self.tap_layer_ids:
+
+            def hook(_module: nn.Module, _inputs: Any, output: Any, layer_id: int = layer_id) -> None:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+            self._hooks.append(layers[layer_id].register_forward_hook(hook))
+
+    def new_cache(self, max_slots: int, capacity: int) -> RaggedKVCache:
+        return RaggedKVCache(
+            self.num_layers, max_slots, capacity, self.kv_heads, self.head_dim, self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: RaggedKVCache,
+        lo: int,
+        tokens: torch.Tensor,
+        logits_at: torch.Tensor | None = None,
+        want_features: bool = True,
+    ) -> TargetOutput:
+        """Run tokens [R, T] for slots lo..lo+R-1, placed at each row's current cache length.
+
+        Rows with fewer real tokens pad on the right; padded positions are written past the
+        row's length and never counted. `logits_at` [R] picks one position per row for the LM
+        head (prefill); otherwise logits for all T positions are returned.
+        """
+        r, t = tokens.shape
+        start = cache.lengths[lo : lo + r]
+        positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]
+        cache.prepare(lo, start, t)
+        kv_len = cache.get_seq_length()
+        # Causal over each row's own committed prefix plus the new tokens.
+        visible = torch.arange(kv_len, device=tokens.device)[None, None, :] <= positions[:, :, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
+        self._captured.clear()
+        out = self.decoder(
+            input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        hidden = out.last_hidden_state
+        if logits_at is not None:
+            hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]
+        logits = self.lm_head(hidden)
+        features = None
+        if want_features and self.tap_layer_ids:
+            features = torch.cat([self._captured[i] for i in self.tap_layer_ids], dim=-1)
+        self._captured.clear()
+        return TargetOutput(logits=logits, features=features)
