@@ -156,9 +156,7 @@ def _split_key(seed: int, prompt: str) -> bytes:
     return hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
 
 
-def split_sharegpt(
-    prompts: Sequence[str], heldout: int = 200, seed: int = 0
-) -> tuple[list[str], list[str]]:
+def split_sharegpt(prompts: Sequence[str], heldout: int = 200, seed: int = 0) -> tuple[list[str], list[str]]:
     """Seeded shuffle, then ``(train, heldout)``; the held-out slice is the first ``heldout``.
 
     The shuffle orders prompts by a sha256 of (seed, text) rather than by ``random``: the result

@@ -109,8 +109,16 @@ def sha256_file(path: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _tail(text: str, lines: int = 8) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
+def _pip_failure_summary(output: str) -> str:
+    """pip's own error lines, with its (often repeated) retry warnings folded into one line."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    retries = [line for line in lines if line.startswith("WARNING: Retrying")]
+    errors = [line for line in lines if line.startswith("ERROR")] or [line for line in lines if line not in retries][
+        -8:
+    ]
+    if retries:
+        errors.insert(0, f"(pip retried {len(retries)} times; last: {retries[-1][:300]})")
+    return "\n".join(errors)
 
 
 def _pip_download(wheel: PinnedWheel, dest: Path) -> Path:
@@ -137,7 +145,7 @@ def _pip_download(wheel: PinnedWheel, dest: Path) -> Path:
     if proc.returncode != 0:
         raise WheelFetchError(
             f"`python -m pip download --no-deps {wheel.requirement}` failed "
-            f"(exit {proc.returncode}):\n{_tail(proc.stderr or proc.stdout)}"
+            f"(exit {proc.returncode}):\n{_pip_failure_summary(proc.stderr + proc.stdout)}"
         )
     got = dest / wheel.filename
     if not got.is_file():
@@ -162,9 +170,7 @@ def fetch_pinned_wheel(
             raise WheelFetchError(f"{override} does not exist")
         digest = sha256_file(override)
         if digest != wheel.sha256:
-            raise WheelFetchError(
-                f"{override} has sha256 {digest}, expected {wheel.sha256} ({wheel.filename})"
-            )
+            raise WheelFetchError(f"{override} has sha256 {digest}, expected {wheel.sha256} ({wheel.filename})")
         return override
 
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -184,9 +190,7 @@ def fetch_pinned_wheel(
         got = _pip_download(wheel, tmp)
         digest = sha256_file(got)
         if digest != wheel.sha256:
-            raise WheelFetchError(
-                f"downloaded {wheel.filename} has sha256 {digest}, expected {wheel.sha256}"
-            )
+            raise WheelFetchError(f"downloaded {wheel.filename} has sha256 {digest}, expected {wheel.sha256}")
         os.replace(got, cached)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -447,9 +451,7 @@ def load_default_target(
     path = ensure_default_target(cache_dir, progress=progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     with _progress_bars(progress):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype if dtype is not None else torch.float32
-        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype is not None else torch.float32)
     model.to(device)
     model.eval()
     return model, tokenizer

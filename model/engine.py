@@ -383,6 +383,16 @@ class Engine:
         self._remove_rows(done)
         return outputs
 
+    def _propose(self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch) -> DraftResult:
+        """Draft one block per row (slots lo..). Subclasses may propose differently (tests' oracle)."""
+        assert self.drafter is not None and self.draft_cache is not None
+        block = torch.full(
+            (len(rows), self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
+        )
+        block[:, 0] = anchors
+        hidden = self.drafter.forward_block(self.draft_cache, lo, block)
+        return self.drafter.draft(hidden, anchors, sampling)
+
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
         hi = len(self.rows) if hi is None else hi
@@ -395,14 +405,10 @@ class Engine:
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=dev)
 
         t0 = time.perf_counter()
-        draft: DraftResult | None = None
-        if self.drafter is not None and d > 0:
-            assert self.draft_cache is not None
-            block = torch.full((r, self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=dev)
-            block[:, 0] = anchors
-            hidden = self.drafter.forward_block(self.draft_cache, lo, block)
-            draft = self.drafter.draft(hidden, anchors, sampling)
+        draft = self._propose(lo, rows, anchors, sampling) if d > 0 else None
+        if draft is not None:
             budget = torch.tensor([row.params.max_new_tokens - len(row.output_ids) - 1 for row in rows], device=dev)
+            # Stop a row's block at its first draft the drafter itself doubts (draft_threshold).
             confident = (draft.token_probs[:, :d] >= self.draft_threshold).long().cumprod(-1).sum(-1)
             num_drafts = torch.minimum(confident, budget.clamp_min(0))
         else:

@@ -93,9 +93,7 @@ def test_verified_cache_is_reused(converted: Path) -> None:
 
 
 @pytest.mark.slow
-def test_truncated_weights_are_reconverted(
-    converted: Path, wheel_env: None, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_truncated_weights_are_reconverted(converted: Path, wheel_env: None, caplog: pytest.LogCaptureFixture) -> None:
     weights = converted / "model.safetensors"
     good = _manifest(converted)["files"]["model.safetensors"]
     with open(weights, "r+b") as f:
@@ -111,9 +109,7 @@ def test_truncated_weights_are_reconverted(
 
 
 @pytest.mark.slow
-def test_tampered_weights_are_reconverted(
-    converted: Path, wheel_env: None, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_tampered_weights_are_reconverted(converted: Path, wheel_env: None, caplog: pytest.LogCaptureFixture) -> None:
     weights = converted / "model.safetensors"
     good = _manifest(converted)["files"]["model.safetensors"]
     with open(weights, "r+b") as f:
@@ -140,9 +136,7 @@ def test_greedy_chat_generation_is_deterministic(converted: Path) -> None:
     assert next(model.parameters()).dtype == torch.float32
     enc = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt_len = enc["input_ids"].shape[1]
-    outs = [
-        model.generate(**enc, max_new_tokens=12, do_sample=False)[0, prompt_len:].tolist() for _ in range(2)
-    ]
+    outs = [model.generate(**enc, max_new_tokens=12, do_sample=False)[0, prompt_len:].tolist() for _ in range(2)]
     assert outs[0] == outs[1]
     text = tok.decode(outs[0], skip_special_tokens=True).strip()
     assert text and any(c.isalpha() for c in text)

@@ -36,11 +36,7 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
 
 def build(out_dir: Path, heldout: int = 200, seed: int = 0) -> dict[str, int]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts = {
-        HUMANEVAL_FILE: write_jsonl(
-            out_dir / HUMANEVAL_FILE, ({"prompt": p} for p in load_humaneval_prompts())
-        )
-    }
+    counts = {HUMANEVAL_FILE: write_jsonl(out_dir / HUMANEVAL_FILE, ({"prompt": p} for p in load_humaneval_prompts()))}
     _, held = split_sharegpt(load_sharegpt_prompts(), heldout=heldout, seed=seed)
     counts[SHAREGPT_HELDOUT_FILE] = write_jsonl(
         out_dir / SHAREGPT_HELDOUT_FILE,

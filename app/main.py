@@ -1,0 +1,95 @@
+"""`domino-serve`: flags mirror the DOMINO_* settings; flags win over the environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, get_args
+
+import uvicorn
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+log = logging.getLogger("app.main")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="domino-serve",
+        description="OpenAI-compatible server with Domino speculative decoding. Every flag can also be set "
+        "as an environment variable DOMINO_<NAME> (e.g. DOMINO_PORT=8001).",
+    )
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        choices = None
+        args = get_args(field.annotation)
+        if args and all(isinstance(a, str) for a in args):  # Literal[...]
+            choices = list(args)
+        default = field.default
+        help_text = (field.description or "").replace("%", "%%")
+        help_text = f"{help_text} (env DOMINO_{name.upper()}, default: {default})".strip()
+        # Values stay strings here: Settings validates and converts them like environment values.
+        parser.add_argument(flag, dest=name, default=None, choices=choices, help=help_text)
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    args = build_parser().parse_args(argv)
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        # Init values beat environment values; both get the same (lax) string parsing.
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SystemExit(f"domino-serve: invalid settings: {problems}") from None
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT first mark the service as draining (health 503, new requests 503), then let
+    uvicorn stop accepting connections and wait for in-flight responses up to drain_timeout."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_drain = on_drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            log.info("received %s: draining in-flight requests (up to %.0f s), admitting no new ones",
+                     signal.Signals(sig).name, self.config.timeout_graceful_shutdown or 0)
+            self.on_drain()
+        super().handle_exit(sig, frame)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = load_settings(argv)
+    level = getattr(logging, settings.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # Model loading shows progress bars (download, conversion, weights).
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+
+    from app.server import create_app
+
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]  # float is fine
+        lifespan="on",
+    )
+    server = DrainingServer(config, app.state.begin_drain)
+    server.run()
+    if not server.started:
+        sys.exit(1)  # startup (model loading) failed; uvicorn logged why
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Service configuration: DOMINO_* environment variables, mirrored by the domino-serve flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Mode = Literal["domino", "dflash", "ar"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DOMINO_", extra="ignore", validate_default=True)
+
+    # -- model ------------------------------------------------------------------------------------
+    target: str = Field("default", description="HF directory of the target, or 'default' (embedded SmolLM2-135M)")
+    drafter: str | None = Field(None, description="drafter checkpoint directory (default: the one shipped for the default target)")
+    mode: Mode = Field("domino", description="speculation mode; falls back to 'ar' when no drafter fits")
+    block_size: int | None = Field(
+        None, ge=1, description="at most this many draft tokens verified per step (default: all the drafter proposes)"
+    )
+    dtype: Dtype = "auto"
+    device: str = "auto"
+    served_model_name: str | None = Field(None, description="model id clients send (default: derived from target)")
+
+    # -- scheduling -------------------------------------------------------------------------------
+    max_batch_size: int = Field(8, ge=1, description="rows the engine runs together (running requests)")
+    max_waiting: int = Field(
+        64, ge=0, description="sequences admitted beyond the running rows; more are refused with 429"
+    )
+    max_model_len: int = Field(2048, ge=2, description="prompt + generated tokens per sequence")
+    max_n: int = Field(16, ge=1, description="largest accepted `n` (choices per prompt)")
+    max_stop: int = Field(16, ge=0, description="most stop strings / stop token ids per request")
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="when set, /v1 routes need 'Authorization: Bearer <key>'")
+    max_request_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
+    drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may run on after SIGTERM")
+    log_level: LogLevel = "info"
+
+    @model_validator(mode="after")
+    def _empty_strings_mean_unset(self) -> Settings:
+        # `DOMINO_API_KEY=` in an env file should disable auth, not require an empty token.
+        if self.api_key == "":
+            self.api_key = None
+        if self.drafter == "":
+            self.drafter = None
+        if self.served_model_name == "":
+            self.served_model_name = None
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The id in /v1/models and responses; requests must name it (or omit `model`)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.target == "default":
+            return "SmolLM2-135M-Instruct"
+        return Path(self.target.rstrip("/")).name or self.target

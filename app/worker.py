@@ -1,0 +1,476 @@
+"""The one thread that owns the engine.
+
+The event loop never touches the model: it puts add/abort commands into a thread-safe inbox and
+reads results from per-request asyncio queues. The worker thread loops: drain the inbox, run one
+engine step (continuous batching: requests join and leave between steps), turn each output into
+text (detokenizing, string stops) and hand the results to the loop with `call_soon_threadsafe`.
+Metrics are recorded here, before results are handed over, so a client that has its answer sees
+it counted in /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.detokenize import IncrementalDetokenizer, StopMatcher
+from app.metrics import Metrics
+from model.engine import Engine, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Consecutive failures of engine.step() as a whole (not of one request) before the worker gives up
+# and reports itself unhealthy.
+MAX_STEP_FAILURES = 3
+
+
+class Overloaded(Exception):
+    """The waiting queue is full (429)."""
+
+
+class Unavailable(Exception):
+    """The worker is draining, stopped or dead (503)."""
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        return SpecStats(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        if not self.num_drafts:
+            return None
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """How a token is shown in logprobs: its text (or `bytes:\\x..` for partial UTF-8) and bytes."""
+
+    text: str
+    bytes: list[int]
+
+
+@dataclass
+class LogprobEntry:
+    token: TokenText
+    logprob: float
+    top: list[tuple[TokenText, float]]
+
+
+@dataclass
+class SequenceSpec:
+    """One engine request: one prompt, one choice."""
+
+    index: int  # choice index in the response
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: Sequence[str] = ()
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class SeqEvent:
+    """What one engine step produced for one choice, as text."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0  # tokens generated this step (a stop token included)
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None
+    stats: SpecStats | None = None  # on the final event
+    error: str | None = None
+
+
+class TokenTexts:
+    """Token id -> display text and exact bytes, cached. Byte-level BPE vocabularies store bytes as
+    printable stand-in characters; mapping them back gives the token's real bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.byte_map = _byte_level_map() if _is_byte_level(tokenizer) else None
+        self.cache: dict[int, TokenText] = {}
+
+    def __call__(self, token_id: int) -> TokenText:
+        hit = self.cache.get(token_id)
+        if hit is None:
+            hit = self.cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> TokenText:
+        raw: bytes | None = None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self.byte_map is not None and isinstance(piece, str) and all(c in self.byte_map for c in piece):
+            raw = bytes(self.byte_map[c] for c in piece)
+        if raw is None:
+            raw = self.tokenizer.decode([token_id]).encode("utf-8")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return TokenText(text, list(raw))
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return False
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(p.get("type") == "ByteLevel" for p in parts)
+
+
+def _byte_level_map() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-character table: printable bytes stand for themselves, the
+    others are shifted to code points from 256 upwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class OutputProcessor:
+    """Per-choice post-processing on the worker thread: tokens -> text deltas, stop strings."""
+
+    def __init__(self, spec: SequenceSpec, tokenizer: Any, token_texts: TokenTexts) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, spec.prompt_ids, spec.skip_special_tokens)
+        self.stops = StopMatcher(spec.stop)
+        self.token_texts = token_texts
+
+    def process(self, out: RequestOutput) -> tuple[str, list[LogprobEntry] | None, bool]:
+        """Returns (text delta, logprobs of the rendered tokens, whether a stop string ended it)."""
+        ids = list(out.new_token_ids)
+        lps = out.logprobs
+        # The stop/EOS token is generated (and counted) but never rendered.
+        if out.finish_reason == "stop" and out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
+            ids.pop()
+        text = self.detok.push(ids)
+        if out.finished:
+            text += self.detok.flush()
+        text, hit = self.stops.feed(text)
+        if out.finished and not hit:
+            text += self.stops.flush()
+        entries = None
+        if lps is not None:
+            tt = self.token_texts
+            entries = [LogprobEntry(tt(lp.token_id), lp.logprob, [(tt(t), v) for t, v in lp.top]) for lp in lps[: len(ids)]]
+        return text, entries, hit
+
+
+ProcessorFactory = Callable[[SequenceSpec, Any, TokenTexts], OutputProcessor]
+
+
+class RequestHandle:
+    """One HTTP request's sequences; events arrive on `events` (on the event loop)."""
+
+    def __init__(self, request_id: str, specs: list[SequenceSpec], loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.specs = specs
+        self.events: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self.admitted: asyncio.Future[None] = loop.create_future()
+        self.remaining = len(specs)  # choices not yet finished (event-loop side)
+        self.arrival = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return self.remaining == 0
+
+
+@dataclass
+class _SeqState:
+    """Worker-side bookkeeping for one engine request."""
+
+    handle: RequestHandle
+    spec: SequenceSpec
+    processor: OutputProcessor
+    arrival: float
+    last_token_time: float | None = None
+    done: bool = False
+
+
+@dataclass
+class _Command:
+    kind: str  # "add" | "abort" | "stop"
+    handle: RequestHandle | None = None
+    loop_done: Callable[[], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        metrics: Metrics,
+        max_waiting: int,
+        processor_factory: ProcessorFactory = OutputProcessor,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.capacity = engine.max_batch_size + max_waiting
+        self.processor_factory = processor_factory
+        self.token_texts = TokenTexts(tokenizer)
+        self.inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self.states: dict[str, _SeqState] = {}
+        self.in_flight = 0  # sequences admitted and not finished (event-loop side)
+        self.draining = False
+        self.alive = False
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- event-loop side ---------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and not self.draining and self._thread is not None and self._thread.is_alive()
+
+    async def submit(self, specs: list[SequenceSpec]) -> RequestHandle:
+        """Admit a request's sequences, or raise Overloaded / Unavailable / the engine's ValueError."""
+        if not self.healthy:
+            raise Unavailable("the server is shutting down" if self.draining else "the model worker is not running")
+        # Admission rule: sequences in flight (running + waiting) never exceed max_batch_size + max_waiting.
+        if self.in_flight + len(specs) > self.capacity:
+            raise Overloaded(
+                f"the server is at capacity ({self.in_flight} sequences in flight, at most {self.capacity}); retry later"
+            )
+        assert self._loop is not None
+        handle = RequestHandle(f"req{next(self._ids)}", specs, self._loop)
+        self.in_flight += len(specs)
+        self.inbox.put(_Command("add", handle))
+        try:
+            await asyncio.shield(handle.admitted)
+        except asyncio.CancelledError:
+            self.abort(handle)
+            raise
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Cancel whatever is left of a request (client gone); slots free at the next step."""
+        if not handle.finished:
+            self.inbox.put(_Command("abort", handle))
+
+    def _deliver(self, batch: list[tuple[RequestHandle, SeqEvent]]) -> None:
+        for handle, event in batch:
+            handle.events.put_nowait(event)
+            if event.finish_reason is not None:
+                handle.remaining -= 1
+                self.in_flight -= 1
+
+    def _admitted(self, handle: RequestHandle, error: BaseException | None) -> None:
+        if error is not None:
+            # Nothing of this request runs: release its reservation.
+            self.in_flight -= handle.remaining
+            handle.remaining = 0
+            if not handle.admitted.done():
+                handle.admitted.set_exception(error)
+        elif not handle.admitted.done():
+            handle.admitted.set_result(None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything still running and end the thread."""
+        self.draining = True
+        self.inbox.put(_Command("stop"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- worker-thread side ------------------------------------------------------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while True:
+                if not self._drain_inbox(block=not self.engine.has_unfinished()):
+                    break
+                if self.engine.has_unfinished():
+                    try:
+                        self._step()
+                        failures = 0
+                    except Exception:  # noqa: BLE001 - the engine isolates per-request failures itself
+                        failures += 1
+                        log.exception("engine step failed (%d in a row); failing the requests in it", failures)
+                        self._fail_all("internal error in the engine step")
+                        if failures >= MAX_STEP_FAILURES:
+                            raise
+                self._update_gauges()
+        except BaseException:
+            log.exception("model worker stopped")
+        finally:
+            self.alive = False
+            self._fail_all("the server is shutting down" if self.draining else "the model worker stopped")
+            self._update_gauges()
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; False once told to stop."""
+        try:
+            cmd = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd.kind == "stop":
+                return False
+            assert cmd.handle is not None
+            if cmd.kind == "add":
+                self._add(cmd.handle)
+            elif cmd.kind == "abort":
+                self._abort(cmd.handle)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, handle: RequestHandle) -> None:
+        added: list[str] = []
+        try:
+            for i, spec in enumerate(handle.specs):
+                rid = f"{handle.request_id}-{i}"
+                processor = self.processor_factory(spec, self.tokenizer, self.token_texts)
+                self.engine.add_request(rid, spec.prompt_ids, spec.params)
+                added.append(rid)
+                self.states[rid] = _SeqState(handle, spec, processor, handle.arrival)
+        except Exception as exc:  # noqa: BLE001 - reported to the request, never kills the worker
+            for rid in added:
+                self.engine.abort(rid)
+                self.states.pop(rid, None)
+            self._post(self._admitted, handle, exc)
+            return
+        self._post(self._admitted, handle, None)
+
+    def _abort(self, handle: RequestHandle) -> None:
+        for i in range(len(handle.specs)):
+            rid = f"{handle.request_id}-{i}"
+            state = self.states.get(rid)
+            if state is not None and not state.done:
+                self.engine.abort(rid)
+
+    def _step(self) -> None:
+        m = self.metrics
+        t0 = time.monotonic()
+        outputs = self.engine.step()
+        t1 = time.monotonic()
+        timing = self.engine.last_timing
+        if timing is not None and timing.kind == "decode" and outputs:
+            m.h_batch.observe(timing.batch_size)
+            if self.engine.drafter is not None:
+                m.h_draft.observe(timing.draft_seconds)
+            m.h_verify.observe(timing.verify_seconds)
+        batch: list[tuple[RequestHandle, SeqEvent]] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None or state.done:
+                continue  # a sequence already answered (stop string, failed admission)
+            try:
+                event = self._process(state, out, t0, t1)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not affect the others
+                log.exception("post-processing failed for %s", out.request_id)
+                if not out.finished:
+                    self.engine.abort(out.request_id)
+                event = SeqEvent(state.spec.index, finish_reason="error", error=f"{type(exc).__name__}: {exc}",
+                                 stats=_stats(out))
+                m.c_errors.inc()
+            if event.finish_reason is not None:
+                state.done = True
+                del self.states[out.request_id]
+            batch.append((state.handle, event))
+        if batch:
+            self._post(self._deliver, batch)
+
+    def _process(self, state: _SeqState, out: RequestOutput, t0: float, t1: float) -> SeqEvent:
+        m = self.metrics
+        n_new = len(out.new_token_ids)
+        if state.last_token_time is None and out.finish_reason not in ("abort", "error"):
+            # First output of a sequence comes from its prefill step.
+            m.h_queue.observe(max(0.0, t0 - state.arrival))
+            m.h_ttft.observe(t1 - state.arrival)
+            m.c_prompt_tokens.inc(len(state.spec.prompt_ids))
+        elif n_new and state.last_token_time is not None:
+            gap = (t1 - state.last_token_time) / n_new
+            for _ in range(n_new):
+                m.h_itl.observe(gap)
+        if n_new:
+            state.last_token_time = t1
+            m.c_generation_tokens.inc(n_new)
+        if out.is_verify_step:
+            accepted = len(out.step_accepted)
+            m.c_num_drafts.inc()
+            m.c_draft_tokens.inc(out.step_draft_tokens)
+            m.c_accepted.inc(accepted)
+            for pos in out.step_accepted:
+                m.accepted_position(pos).inc()
+            m.h_acceptance.observe(accepted + 1)
+
+        text, logprobs, stop_hit = state.processor.process(out)
+        finish = out.finish_reason
+        if stop_hit and not out.finished:
+            self.engine.abort(out.request_id)  # the engine would go on; the slot frees next step
+            finish = "stop"
+        elif stop_hit:
+            finish = "stop"
+        event = SeqEvent(state.spec.index, text, n_new, logprobs, finish, error=out.error)
+        if finish is not None:
+            event.stats = _stats(out)
+            m.h_e2e.observe(t1 - state.arrival)
+            if finish == "error":
+                m.c_errors.inc()
+            else:
+                m.c_success[finish].inc()
+        return event
+
+    def _fail_all(self, message: str) -> None:
+        """Fail every sequence the worker knows (engine step crashed, or the worker is ending)."""
+        batch = []
+        for rid, state in list(self.states.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort on a broken engine
+                pass
+            batch.append((state.handle, SeqEvent(state.spec.index, finish_reason="error", error=message)))
+            self.metrics.c_errors.inc()
+            del self.states[rid]
+        if batch:
+            self._post(self._deliver, batch)
+
+    def _update_gauges(self) -> None:
+        self.metrics.g_running.set(self.engine.num_running)
+        self.metrics.g_waiting.set(self.engine.num_waiting)
+
+
+def _stats(out: RequestOutput) -> SpecStats:
+    s = out.stats
+    return SpecStats(s.verify_steps, s.draft_tokens, s.accepted_tokens)

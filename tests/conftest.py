@@ -1,0 +1,269 @@
+"""Shared test fixtures: tiny offline models and a real server on a loopback port.
+
+- `build_tiny_tokenizer()`: a byte-level BPE (GPT-2/Qwen style) trained at fixture time on a fixed
+  multilingual text, so multi-byte UTF-8 characters are split over several tokens; ChatML chat
+  template with Qwen3's `enable_thinking` switch; eos `<|im_end|>`.
+- `build_tiny_target()`: a random Qwen3 (hidden 64, 4 layers) over that vocabulary, with tied
+  embeddings: its greedy continuations tend to repeat tokens, which gives a drafter something
+  to get right.
+- `build_tiny_drafter()`: a random Domino drafter whose backbone updates are zeroed, so its first
+  draft proposes "repeat the anchor". Acceptance is then partial (mean acceptance length between 1
+  and 2), exercising both accepted and rejected paths.
+- `ServerProcess` / `server_factory`: `python -m app.main` in a subprocess with DOMINO_* settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+TRAIN_TEXT = [
+    "The quick brown fox jumps over the lazy dog. Hello world, hello server!",
+    "Speculative decoding drafts several tokens and verifies them in one forward pass.",
+    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
+    "Ünïcödé façade naïve café résumé — “curly quotes” and ‘single’ ones… 1–2 °C ±3 €5",
+    "日本語のテキストです。中文文本测试。한국어 텍스트입니다.",
+    "Emoji: 🙂 🚀 🎉 👍🏽 ❤️ and math ∑ ∫ √ ≈ ≠ ∞.",
+    "<think>\nreasoning\n</think>\n\nanswer: yes",
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 800) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Rare characters (most emoji, CJK) stay split into bytes; frequent ones get merged.
+    tok.train_from_iterator(TRAIN_TEXT * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|mask|>"],
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_target(tokenizer: Any, seed: int = 0, num_layers: int = 4) -> Any:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    return model
+
+
+def build_tiny_drafter(target_config: Any, mask_token_id: int, seed: int = 0, block_size: int = 4) -> Any:
+    import torch
+
+    from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
+
+    torch.manual_seed(seed)
+    n_target = int(target_config.num_hidden_layers)
+    cfg = DrafterConfig(
+        hidden_size=int(target_config.hidden_size),
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=int(target_config.vocab_size),
+        block_size=block_size,
+        target_layer_ids=default_target_layer_ids(n_target, 2),
+        num_target_layers=n_target,
+        mask_token_id=mask_token_id,
+        projector_type="domino",
+        gru_hidden_dim=32,
+        emb_dim=16,
+        shift_label=True,
+    )
+    drafter = Drafter(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, 0.2)
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+        # Zero the residual updates: the hidden state of slot 0 stays the anchor's embedding, so
+        # with the target's tied LM head the first draft is "repeat the anchor".
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return drafter.eval()
+
+
+def save_tiny_models(root: Path) -> tuple[Path, Path]:
+    """Write the tiny target (model + tokenizer) and its drafter under root; returns both paths."""
+    from model.checkpoint import save_drafter
+
+    target_dir, drafter_dir = root / "tiny-qwen3", root / "tiny-domino"
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_target(tokenizer)
+    model.save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    drafter = build_tiny_drafter(model.config, tokenizer.convert_tokens_to_ids("<|mask|>"))
+    save_drafter(drafter, drafter_dir, dtype=None)
+    return target_dir, drafter_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return save_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tiny_models: tuple[Path, Path]) -> Path:
+    """A saved random tiny Qwen3 target with its tokenizer (load with from_pretrained or DOMINO_TARGET)."""
+    return tiny_models[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tiny_models: tuple[Path, Path]) -> Path:
+    """A saved random tiny Domino drafter for tiny_target_dir."""
+    return tiny_models[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_target_dir: Path) -> tuple[Any, Any]:
+    """(HF model, tokenizer) loaded from tiny_target_dir: the reference for greedy outputs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir, dtype="float32").eval()
+    return model, AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+# -- servers ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m app.main` on a free loopback port, configured through DOMINO_* variables."""
+
+    def __init__(self, log_path: Path, **settings: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DOMINO_")}
+        env.update({f"DOMINO_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+        env.update({"DOMINO_HOST": "127.0.0.1", "DOMINO_PORT": str(self.port), "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app.main"], cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+@pytest.fixture(scope="session")
+def server_factory(
+    tiny_target_dir: Path, tiny_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., ServerProcess]]:
+    """Start extra servers over the tiny models: `server_factory(api_key="k", max_waiting=0)`. They
+    are stopped at the end of the session (or earlier by the test)."""
+    started: list[ServerProcess] = []
+    logs = tmp_path_factory.mktemp("server-logs")
+
+    def start(wait: bool = True, **settings: Any) -> ServerProcess:
+        merged: dict[str, Any] = {"target": tiny_target_dir, "drafter": tiny_drafter_dir, "mode": "domino",
+                                  "served_model_name": "tiny", "dtype": "float32", "device": "cpu",
+                                  "max_model_len": 512, "drain_timeout": 5, "log_level": "info"}
+        merged.update(settings)
+        srv = ServerProcess(logs / f"server-{len(started)}.log", **merged)
+        started.append(srv)
+        return srv.wait_ready() if wait else srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
+    """The shared server: tiny target + Domino drafter, 4 running rows, room for 60 waiting."""
+    return server_factory(max_batch_size=4, max_waiting=60)

@@ -1,0 +1,246 @@
+"""The engine: lossless greedy decoding, acceptance accounting, stops, limits, seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.drafter import DraftResult
+from model.engine import ContextLengthError, Engine, SamplingParams, _Row
+from model.sampling import SamplingBatch
+from model.target import TargetModel
+from tests.helpers import tiny_drafter, tiny_target
+
+MODES = ("ar", "dflash", "domino")
+
+
+def _prompts(n: int, vocab: int = 128, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 8, 1, 12, 5, 26, 9, 4, 14][:n]
+    return [torch.randint(0, vocab - 1, (length,), generator=g).tolist() for length in lengths]
+
+
+def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine(model, mode: str, batch: int, **kwargs) -> Engine:
+    drafter = tiny_drafter(domino=True) if mode != "ar" else None
+    return Engine(TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, **kwargs)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target_and_refs(request):
+    model = tiny_target(request.param)
+    prompts = _prompts(8)
+    budgets = [20, 7, 13, 25, 4, 16, 11, 22]
+    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    return model, prompts, budgets, refs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int) -> None:
+    """Rows of different lengths and budgets; with batch < 8 rows join as others finish."""
+    model, prompts, budgets, refs = target_and_refs
+    engine = _engine(model, mode, batch)
+    params = [SamplingParams(max_new_tokens=n) for n in budgets]
+    results = engine.generate(prompts, params)
+    for (tokens, stats, reason), ref in zip(results, refs):
+        assert tokens == ref
+        assert reason == "length"
+        assert sum(stats.acceptance_lengths) == len(ref) - 1  # the first token comes from prefill
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_join_while_others_decode(target_and_refs, mode: str) -> None:
+    model, prompts, budgets, refs = target_and_refs
+    engine = _engine(model, mode, 4)
+    tokens: dict[str, list[int]] = {}
+    pending = list(range(8))
+    steps = 0
+    while pending or engine.has_unfinished():
+        # One new request every other step, joining a batch that is mid-decode.
+        if pending and steps % 2 == 0:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], SamplingParams(max_new_tokens=budgets[i]))
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+        assert engine.num_running <= 4
+    assert [tokens[str(i)] for i in range(8)] == refs
+
+
+class OracleEngine(Engine):
+    """Proposes the known target continuation, optionally corrupted at chosen draft slots."""
+
+    def __init__(self, *args, continuations: dict[str, list[int]], corrupt: set[int] = frozenset(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.continuations = continuations
+        self.corrupt = set(corrupt)
+
+    def _propose(self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch) -> DraftResult:
+        d = self.num_drafts
+        out = torch.zeros(len(rows), d, dtype=torch.long)
+        for i, row in enumerate(rows):
+            cont = self.continuations[row.request_id]
+            n = len(row.output_ids)
+            future = cont[n : n + d] + [0] * d
+            for j in range(d):
+                out[i, j] = future[j]
+                if j in self.corrupt:
+                    out[i, j] = (future[j] + 1) % self.target.vocab_size
+        return DraftResult(out, torch.ones(len(rows), d), None)
+
+
+def _oracle(model, continuations, corrupt=frozenset(), batch=4, **kwargs) -> OracleEngine:
+    return OracleEngine(
+        TargetModel(model),
+        tiny_drafter(domino=False, block_size=5),  # 4 drafts per block
+        mode="dflash",
+        max_batch_size=batch,
+        max_model_len=96,
+        continuations=continuations,
+        corrupt=corrupt,
+        **kwargs,
+    )
+
+
+def test_oracle_perfect_drafts_accept_full_blocks() -> None:
+    model = tiny_target()
+    prompts = _prompts(3)
+    refs = [_hf_greedy(model, p, 21) for p in prompts]
+    engine = _oracle(model, {f"gen-{i}": r for i, r in enumerate(refs)})
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=21))
+    for (tokens, stats, _), ref in zip(results, refs):
+        assert tokens == ref
+        # 1 token from prefill, then 4 full blocks of 4 accepted drafts + bonus = 20 tokens.
+        assert stats.acceptance_lengths == [5, 5, 5, 5]
+        assert stats.accepted_tokens == 16 and stats.draft_tokens == 16
+        assert stats.accepted_per_position == [4, 4, 4, 4]
+
+
+@pytest.mark.parametrize("bad_slot", [0, 2, 3])
+def test_oracle_corrupted_drafts_exact_counts_and_bonus(bad_slot: int) -> None:
+    model = tiny_target()
+    prompts = _prompts(3)
+    refs = [_hf_greedy(model, p, 17) for p in prompts]
+    engine = _oracle(model, {f"gen-{i}": r for i, r in enumerate(refs)}, corrupt={bad_slot})
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=17))
+    for (tokens, stats, _), ref in zip(results, refs):
+        # The bonus token is the target's own choice at the corrupted slot: output stays exact.
+        assert tokens == ref
+        # Expected accounting: each step verifies min(4, budget - 1) drafts and accepts up to the bad slot.
+        remaining, lengths, per_pos = 16, [], [0, 0, 0, 0]
+        while remaining > 0:
+            verified = min(4, remaining - 1)
+            accepted = min(bad_slot, verified)
+            lengths.append(accepted + 1)
+            for j in range(accepted):
+                per_pos[j] += 1
+            remaining -= accepted + 1
+        assert stats.acceptance_lengths == lengths
+        assert stats.accepted_per_position == per_pos
+        assert stats.accepted_tokens == sum(lengths) - len(lengths)
+
+
+def test_stop_token_mid_block_ends_exactly_there() -> None:
+    model = tiny_target()
+    prompt = _prompts(1)[0]
+    ref = _hf_greedy(model, prompt, 30)
+    # A token whose first occurrence lies inside a block (not at its end).
+    pos = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and (i - 1) % 5 != 4)
+    stop = ref[pos]
+    engine = _oracle(model, {"gen-0": ref})
+    (tokens, stats, reason), = engine.generate([prompt], SamplingParams(max_new_tokens=30, stop_token_ids=(stop,)))
+    assert reason == "stop"
+    assert tokens == ref[: pos + 1]
+    # Same through EOS, and ignore_eos runs past it.
+    engine = _oracle(model, {"gen-0": ref}, eos_token_ids=(stop,))
+    (tokens, _, reason), = engine.generate([prompt], SamplingParams(max_new_tokens=30))
+    assert (tokens, reason) == (ref[: pos + 1], "stop")
+    engine = _oracle(model, {"gen-0": ref}, eos_token_ids=(stop,))
+    (tokens, _, reason), = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert (tokens, reason) == (ref, "length")
+
+
+def test_context_limit() -> None:
+    model = tiny_target()
+    engine = _engine(model, "domino", 2)
+    with pytest.raises(ContextLengthError, match=r"prompt \(90 tokens\) \+ max_new_tokens \(7\) = 97 .* 96"):
+        engine.add_request("a", [1] * 90, SamplingParams(max_new_tokens=7))
+    # Exactly at the limit works and fills the context to the last slot.
+    prompt = _prompts(1)[0][:6] * 15  # 90 tokens
+    (tokens, _, reason), = engine.generate([prompt[:90]], SamplingParams(max_new_tokens=6))
+    assert len(tokens) == 6 and reason == "length"
+    assert tokens == _hf_greedy(model, prompt[:90], 6)
+
+
+def test_invalid_requests_are_rejected() -> None:
+    engine = _engine(tiny_target(), "ar", 2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("x", [5, 128], SamplingParams())
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("x", [], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("x", [1], SamplingParams(top_p=0.0))
+
+
+def test_abort_frees_the_slot() -> None:
+    model = tiny_target()
+    engine = _engine(model, "domino", 1)
+    engine.add_request("long", [1, 2, 3], SamplingParams(max_new_tokens=80))
+    engine.add_request("next", [4, 5], SamplingParams(max_new_tokens=3))
+    engine.step()
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    engine.abort("long")
+    outs = engine.step()
+    assert any(o.request_id == "long" and o.finish_reason == "abort" for o in outs)
+    # The freed slot is taken in the same step.
+    assert engine.num_running == 1 and engine.num_waiting == 0
+    done = {o.request_id: list(o.new_token_ids) for o in outs}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert done["next"] == _hf_greedy(model, [4, 5], 3)
+
+
+def test_seeded_sampling_same_alone_and_in_batch() -> None:
+    model = tiny_target()
+    prompts = _prompts(6)
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = _engine(model, "domino", 1).generate([prompts[0]], seeded)[0][0]
+    others = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip([5, 30, 12, 9, 18], [1.0, 0, 0.7, 1.3, 0])]
+    batch = _engine(model, "domino", 4).generate([prompts[3], prompts[1], prompts[0], *prompts[2:5]], [others[0], others[1], seeded, *others[2:5]])
+    assert batch[2][0] == alone
+    again = _engine(model, "domino", 3).generate([prompts[0], prompts[5]], [seeded, others[1]])[0][0]
+    assert again == alone
+    different = _engine(model, "domino", 1).generate(
+        [prompts[0]], SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99)
+    )[0][0]
+    assert different != alone
+
+
+def test_logprobs_are_the_targets() -> None:
+    model = tiny_target()
+    prompt = _prompts(1)[0]
+    engine = _engine(model, "domino", 2)
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=6, logprobs=3))
+    tokens, lps = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.new_token_ids
+            lps += o.logprobs or []
+    assert len(lps) == len(tokens) == 6
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    ref = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(lps):
+        assert lp.token_id == tokens[i]
+        assert abs(lp.logprob - float(ref[i, tokens[i]])) < 1e-4
+        assert [t for t, _ in lp.top] == ref[i].topk(3).indices.tolist()
