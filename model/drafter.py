@@ -247,6 +247,7 @@ class DraftResult:
     tokens: torch.Tensor  # [R, D] full-vocabulary ids of the drafts
     token_probs: torch.Tensor  # [R, D] drafter probability of each chosen draft
     draft_probs: torch.Tensor | None  # [R, D, V] drafter distribution per slot (sampling rows only)
+    logits: torch.Tensor | None = None  # [R, D, V] final draft logits (return_logits=True)
 
 
 class Drafter(nn.Module):
@@ -373,7 +374,9 @@ class Drafter(nn.Module):
         """Low-rank logit correction W2 · SiLU(W1 · [H ; h]); shared by training and inference."""
         return self.embed_proj(torch.cat([hidden, gru_state.to(hidden.dtype)], dim=-1))
 
-    def draft(self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: SamplingBatch) -> DraftResult:
+    def draft(
+        self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: SamplingBatch, return_logits: bool = False
+    ) -> DraftResult:
         """Choose the drafts of one block per row from block hidden states [R, B, H].
 
         Without the head (or with `use_head` off) every slot picks from its base logits at once;
@@ -386,17 +389,19 @@ class Drafter(nn.Module):
         base = self.base_logits(draft_hidden)  # [R, D, V]
         if not (self.use_head and cfg.has_head):
             ids, probs, dist = pick_tokens(base, sampling)
-            return DraftResult(self.to_full_vocab(ids), probs, dist)
+            return DraftResult(self.to_full_vocab(ids), probs, dist, base if return_logits else None)
 
         r, d, _ = base.shape
         w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
         h = torch.zeros(r, cfg.gru_hidden_dim, dtype=w_hh.dtype, device=hidden.device)
         h = gru_cell(self.embed(anchors).to(w_ih.dtype), h, w_ih, w_hh)
-        ids_out, probs_out, dists = [], [], []
+        ids_out, probs_out, dists, logits_out = [], [], [], []
         for i in range(d):
             logits = base[:, i]
             if i >= cfg.pure_draft_prefix_len:
                 logits = logits + self.correction(draft_hidden[:, i], h)
+            if return_logits:
+                logits_out.append(logits)
             ids, probs, dist = pick_tokens(logits, sampling, slot=i)
             full_ids = self.to_full_vocab(ids)
             ids_out.append(full_ids)
@@ -405,7 +410,12 @@ class Drafter(nn.Module):
             if i + 1 < d:
                 h = gru_cell(self.embed(full_ids).to(w_ih.dtype), h, w_ih, w_hh)
         draft_probs = torch.stack(dists, dim=1) if dists[0] is not None else None
-        return DraftResult(torch.stack(ids_out, dim=1), torch.stack(probs_out, dim=1), draft_probs)
+        return DraftResult(
+            torch.stack(ids_out, dim=1),
+            torch.stack(probs_out, dim=1),
+            draft_probs,
+            torch.stack(logits_out, dim=1) if return_logits else None,
+        )
 
 
 def count_parameters(drafter: Drafter) -> dict[str, int]:

@@ -111,3 +111,11 @@ def build_engine(
         **engine_kwargs,  # type: ignore[arg-type]
     )
     return engine, tokenizer
+
+
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], **template_kwargs: object
+) -> list[int]:
+    """Token ids of a chat rendered with the target's template, ready for the assistant's turn."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
