@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.drafter import DraftContextCache, Drafter, DraftResult
+from model.policy import StepCosts, best_shared_drafts, row_local_drafts
 from model.sampling import (
     SamplingBatch,
     processed_probs,
@@ -131,6 +132,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         draft_threshold: float = 0.0,
         max_drafts: int | None = None,
+        draft_policy: str = "adaptive",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -145,6 +147,14 @@ class Engine:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.draft_threshold = draft_threshold
+        if draft_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"draft_policy must be 'adaptive' or 'fixed', got {draft_policy!r}")
+        # adaptive: drafts per step from the drafter's confidence and measured step costs
+        # (model/policy.py); fixed: every draft up to the first below draft_threshold.
+        self.draft_policy = draft_policy
+        self.costs = StepCosts()
+        self._skip_drafting = 0  # steps left to decode without drafting, after drafting stopped paying
+        self._no_gain_streak = 0
         self.device = target.device
         block = 1
         if self.drafter is not None:
@@ -404,23 +414,53 @@ class Engine:
         sampling = self._sampling_batch(rows, uniforms[:, :d])
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=dev)
 
+        seeded = torch.tensor(
+            [row.params.seed is not None and row.params.temperature > 0 for row in rows], device=dev
+        )
+        any_seeded = bool(seeded.any())
         t0 = time.perf_counter()
-        draft = self._propose(lo, rows, anchors, sampling) if d > 0 else None
-        if draft is not None:
-            budget = torch.tensor([row.params.max_new_tokens - len(row.output_ids) - 1 for row in rows], device=dev)
-            # Stop a row's block at its first draft the drafter itself doubts (draft_threshold).
-            confident = (draft.token_probs[:, :d] >= self.draft_threshold).long().cumprod(-1).sum(-1)
-            num_drafts = torch.minimum(confident, budget.clamp_min(0))
-        else:
-            num_drafts = torch.zeros(r, dtype=torch.long, device=dev)
-        k = int(num_drafts.max())
+        draft = None
+        if d > 0 and (self._skip_drafting == 0 or any_seeded):
+            draft = self._propose(lo, rows, anchors, sampling)
+        elif self._skip_drafting > 0:
+            self._skip_drafting -= 1
         t1 = time.perf_counter()
+        num_drafts = torch.zeros(r, dtype=torch.long, device=dev)
+        if draft is not None:
+            self.costs.observe_draft(r, t1 - t0)
+            budget = torch.tensor([row.params.max_new_tokens - len(row.output_ids) - 1 for row in rows], device=dev)
+            budget = budget.clamp_min(0)
+            confidence = draft.token_probs[:, :d].float()
+            if self.draft_policy == "fixed":
+                # Stop a row's block at its first draft the drafter itself doubts.
+                confident = (confidence >= self.draft_threshold).long().cumprod(-1).sum(-1)
+                num_drafts = torch.minimum(confident, budget)
+            else:
+                shared, _rate = best_shared_drafts(confidence, budget, self.costs)
+                num_drafts = torch.minimum(torch.full_like(budget, shared), budget)
+                if any_seeded:
+                    # Seeded rows decide alone; others may use the padded width for free.
+                    local = row_local_drafts(confidence, budget)
+                    width = max(shared, int(local[seeded].max()))
+                    num_drafts = torch.where(seeded, local, torch.minimum(torch.full_like(budget, width), budget))
+                elif shared == 0:
+                    # Speculation did not pay for several steps running: decode plainly for a while.
+                    self._no_gain_streak += 1
+                    if self._no_gain_streak >= 3:
+                        self._skip_drafting, self._no_gain_streak = 8, 0
+                else:
+                    self._no_gain_streak = 0
+        k = int(num_drafts.max())
 
         tokens = anchors[:, None]
         if k > 0:
             assert draft is not None
             tokens = torch.cat([tokens, draft.tokens[:, :k]], dim=1)
+        t_fwd = time.perf_counter()
         out = self.target.forward(self.cache, lo, tokens, want_features=self.drafter is not None)
+        if out.logits.is_cuda:
+            torch.cuda.synchronize()  # time the work, not the launch
+        self.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
         logits = out.logits  # [R, k + 1, V]
 
         accepted = torch.zeros(r, dtype=torch.long, device=dev)

@@ -474,12 +474,13 @@ def evaluate(
     eos: list[int],
     batch_size: int = 8,
 ) -> dict[str, dict[str, float]]:
-    """Mean acceptance length τ (tokens per verify step, all steps pooled) per mode at T = 0."""
+    """Mean acceptance length τ (tokens per verify step, all steps pooled) per mode at T = 0, full blocks."""
     results = {}
     for mode in modes:
         engine = Engine(
             target, drafter, mode=mode, max_batch_size=batch_size,
             max_model_len=max(len(p) for p in prompts) + max_new_tokens, eos_token_ids=eos,
+            draft_policy="fixed",  # τ of the drafter itself: every draft of every block is verified
         )
         out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
         lengths = [x for _, stats, _ in out for x in stats.acceptance_lengths]

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+
+# Torch's default thread pool oversubscribes a small shared CPU (10x slower steps here); tests and
+# their servers run single-threaded.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import signal
 import socket
 import subprocess
@@ -182,6 +186,47 @@ def tiny_hf(tiny_target_dir: Path) -> tuple[Any, Any]:
     return model, AutoTokenizer.from_pretrained(tiny_target_dir)
 
 
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_hf: tuple[Any, Any]) -> Callable[[list[int], int], tuple[list[int], str, str]]:
+    """HF generate, greedy, one prompt alone: (token ids incl. a final EOS, text as served, finish reason)."""
+    import torch
+
+    model, tok = tiny_hf
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cache: dict[tuple[tuple[int, ...], int], tuple[list[int], str, str]] = {}
+
+    def reference(prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], str, str]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            ids = out[0, len(prompt_ids) :].tolist()
+            finish = "stop" if ids and ids[-1] == eos else "length"
+            text = tok.decode(ids[:-1] if finish == "stop" else ids, skip_special_tokens=True)
+            cache[key] = (ids, text, finish)
+        return cache[key]
+
+    return reference
+
+
+def scrape_metrics(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """/metrics parsed with prometheus_client's parser: {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
 # -- servers ---------------------------------------------------------------------------------------
 
 
@@ -200,8 +245,15 @@ class ServerProcess:
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("DOMINO_")}
         env.update({f"DOMINO_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
-        env.update({"DOMINO_HOST": "127.0.0.1", "DOMINO_PORT": str(self.port), "OMP_NUM_THREADS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                "DOMINO_HOST": "127.0.0.1",
+                "DOMINO_PORT": str(self.port),
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "app.main"], cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
@@ -250,9 +302,17 @@ def server_factory(
     logs = tmp_path_factory.mktemp("server-logs")
 
     def start(wait: bool = True, **settings: Any) -> ServerProcess:
-        merged: dict[str, Any] = {"target": tiny_target_dir, "drafter": tiny_drafter_dir, "mode": "domino",
-                                  "served_model_name": "tiny", "dtype": "float32", "device": "cpu",
-                                  "max_model_len": 512, "drain_timeout": 5, "log_level": "info"}
+        merged: dict[str, Any] = {
+            "target": tiny_target_dir,
+            "drafter": tiny_drafter_dir,
+            "mode": "domino",
+            "served_model_name": "tiny",
+            "dtype": "float32",
+            "device": "cpu",
+            "max_model_len": 512,
+            "drain_timeout": 5,
+            "log_level": "info",
+        }
         merged.update(settings)
         srv = ServerProcess(logs / f"server-{len(started)}.log", **merged)
         started.append(srv)

@@ -106,6 +106,7 @@ def _oracle(model, continuations, corrupt=frozenset(), batch=4, **kwargs) -> Ora
         max_model_len=96,
         continuations=continuations,
         corrupt=corrupt,
+        draft_policy="fixed",
         **kwargs,
     )
 

@@ -98,7 +98,10 @@ def test_speculative_sampling_matches_target_distribution(temperature: float, to
     vocab, depth, n = 8, 3, 20_000
     model = tiny_target(vocab=vocab, seed=3)
     drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4)  # its q differs from the target's p
-    engine = Engine(TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16)
+    engine = Engine(
+        TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16,
+        draft_policy="fixed",  # verify every draft: multi-draft blocks on every step
+    )
     prompt = [1, 2, 3]
     params = [
         SamplingParams(max_new_tokens=5, temperature=temperature, top_p=top_p, top_k=top_k, seed=i) for i in range(n)

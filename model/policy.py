@@ -1,0 +1,106 @@
+"""How many drafts to verify per step: the drafter's own confidence against measured step costs.
+
+A verify forward over T tokens per row costs more than one over a single token, and on a CPU that
+cost climbs quickly with T and with the batch. A block only pays when enough of it is accepted, so
+each step picks the draft count k that maximises expected committed tokens per second:
+
+    rate(k) = sum_r (1 + E_r(k)) / (t_draft(R) + t_verify(R, k + 1)),
+    E_r(k)  = sum_{i<=k} prod_{j<=i} c_{r,j}   (c = the drafter's probability of its own draft j),
+
+and compares it with plain decoding, rate_ar = R / t_verify(R, 1). Seeded sampling rows use a
+fixed, row-local rule instead (the prior cost curve at batch 1), so that a seeded request makes
+the same choices alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Verify cost relative to T = 1 for a 135M target on a 2-core CPU (context 300), used until
+# the engine has measured its own.
+PRIOR_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
+PRIOR_DRAFT_FRACTION = 0.15  # drafter step cost relative to a T = 1 verify
+
+
+def prior_verify(tokens: int) -> float:
+    """Piecewise-linear interpolation of PRIOR_VERIFY_CURVE (linear extrapolation past 17)."""
+    xs = sorted(PRIOR_VERIFY_CURVE)
+    if tokens <= xs[0]:
+        return PRIOR_VERIFY_CURVE[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if tokens <= hi:
+            w = (tokens - lo) / (hi - lo)
+            return PRIOR_VERIFY_CURVE[lo] * (1 - w) + PRIOR_VERIFY_CURVE[hi] * w
+    lo, hi = xs[-2], xs[-1]
+    slope = (PRIOR_VERIFY_CURVE[hi] - PRIOR_VERIFY_CURVE[lo]) / (hi - lo)
+    return PRIOR_VERIFY_CURVE[hi] + slope * (tokens - hi)
+
+
+class StepCosts:
+    """Exponential moving averages of measured verify and draft times, by batch size and T."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.verify_s: dict[tuple[int, int], float] = {}
+        self.draft_s: dict[int, float] = {}
+
+    def _ema(self, table: dict, key: object, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
+        self._ema(self.verify_s, (batch, tokens), seconds)
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        self._ema(self.draft_s, batch, seconds)
+
+    def verify(self, batch: int, tokens: int) -> float:
+        """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve."""
+        if (batch, tokens) in self.verify_s:
+            return self.verify_s[(batch, tokens)]
+        same_batch = [(t, s) for (b, t), s in self.verify_s.items() if b == batch]
+        if same_batch:
+            t, s = min(same_batch, key=lambda ts: abs(ts[0] - tokens))
+            return s * prior_verify(tokens) / prior_verify(t)
+        if self.verify_s:
+            # Another batch size: assume cost grows with the total tokens in the forward.
+            (b, t), s = min(self.verify_s.items(), key=lambda kv: abs(kv[0][0] - batch))
+            return s * prior_verify(batch * tokens) / prior_verify(b * t)
+        return prior_verify(batch * tokens)
+
+    def draft(self, batch: int) -> float:
+        if batch in self.draft_s:
+            return self.draft_s[batch]
+        if self.draft_s:
+            b, s = min(self.draft_s.items(), key=lambda kv: abs(kv[0] - batch))
+            return s * batch / b
+        return PRIOR_DRAFT_FRACTION * self.verify(batch, 1)
+
+
+def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:
+    """E_r(k) for k = 0..D from per-slot confidences [R, D]: returns [R, D + 1]."""
+    survive = confidence.clamp(0, 1).cumprod(-1)
+    zeros = torch.zeros(confidence.shape[0], 1, dtype=survive.dtype, device=survive.device)
+    return torch.cat([zeros, survive.cumsum(-1)], dim=-1)
+
+
+def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: StepCosts) -> tuple[int, float]:
+    """The draft count k (shared by the batch) with the highest expected token rate, and that rate."""
+    r, d = confidence.shape
+    gain = expected_accepted(confidence)  # [R, D + 1]
+    ks = torch.arange(d + 1, device=confidence.device)
+    capped = torch.minimum(ks[None, :], budget[:, None].clamp_min(0))  # a row can't use more than its budget
+    tokens = (r + gain.gather(1, capped).sum(0)).tolist()
+    draft_cost = costs.draft(r)
+    rates = [tokens[k] / (draft_cost + costs.verify(r, k + 1)) for k in range(d + 1)]
+    best = max(range(d + 1), key=lambda k: rates[k])
+    return best, rates[best]
+
+
+def row_local_drafts(confidence: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Deterministic per-row choice from the prior batch-1 curve (seeded sampling rows)."""
+    gain = expected_accepted(confidence)
+    d = confidence.shape[1]
+    cost = torch.tensor([PRIOR_DRAFT_FRACTION + prior_verify(k + 1) for k in range(d + 1)], dtype=gain.dtype)
+    best = ((1 + gain) / cost.to(gain.device)).argmax(-1)
+    return torch.minimum(best, budget.clamp_min(0))

@@ -1,0 +1,241 @@
+"""Operational behaviour, each on its own server: API keys, queue overflow (429), SIGTERM draining,
+and a real Prometheus scraping the service."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess, free_port
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def guarded(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
+    """API key required; one running row and one waiting slot (capacity 2)."""
+    return server_factory(api_key=KEY, max_batch_size=1, max_waiting=1)
+
+
+def test_api_key(guarded: ServerProcess) -> None:
+    body = {"prompt": "hi", "max_tokens": 2}
+    url = guarded.url + "/v1/completions"
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": "Bearer"},
+    ):
+        r = httpx.post(url, json=body, headers=headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(guarded.url + "/v1/models").status_code == 401
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    # Health and metrics stay open for probes and scrapers.
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    assert httpx.get(guarded.url + "/metrics").status_code == 200
+    ok = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0)
+    assert ok.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
+    bad = openai.OpenAI(base_url=guarded.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="hi", max_tokens=2)
+
+
+def test_queue_overflow_answers_429(guarded: ServerProcess) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with contextlib.ExitStack() as stack:
+        # Two streams fill the running row and the waiting slot; the role chunk confirms admission.
+        # (Keep the line iterators: dropping a half-read one closes its connection.)
+        readers = []
+        for _ in range(2):
+            c = stack.enter_context(httpx.Client(base_url=guarded.url, headers=auth, timeout=60))
+            r = stack.enter_context(c.stream("POST", "/v1/chat/completions", json=long))
+            assert r.status_code == 200
+            readers.append(r.iter_lines())
+            assert next(readers[-1]).startswith("data: ")
+        r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth)
+        assert r.status_code == 429
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        # n = 2 needs two sequences: never more than the capacity in flight.
+        r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2}, headers=auth)
+        assert r.status_code == 429
+    # Both streams were cancelled by disconnecting: capacity is back.
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2}, headers=auth)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def read_stream(lines: Iterator[str], out: dict[str, Any]) -> None:
+    """Collect the rest of an SSE stream into out: text, finish reason, whether [DONE] came, or the error."""
+    out.update(text="", finish=None, done=False, error=None, error_event=None)
+    try:
+        for line in lines:
+            if not line:
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                out["done"] = True
+                continue
+            data = json.loads(payload)
+            if "error" in data:
+                out["error_event"] = data["error"]
+                continue
+            choice = data["choices"][0]
+            out["text"] += choice["text"]
+            out["finish"] = choice["finish_reason"] or out["finish"]
+    except httpx.HTTPError as exc:
+        out["error"] = exc
+
+
+def test_sigterm_drains_then_exits_at_the_deadline(server_factory: Callable[..., ServerProcess]) -> None:
+    """SIGTERM: no new work; a short in-flight stream finishes; a long one is cut at the deadline."""
+    deadline = 5
+    srv = server_factory(drain_timeout=deadline, mode="ar", max_model_len=4096)
+    short, long = {}, {}
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for max_tokens in (60, 4000):
+            c = stack.enter_context(httpx.Client(base_url=srv.url, timeout=60))
+            req = {"prompt": "drain me", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            r = stack.enter_context(c.stream("POST", "/v1/completions", json=req))
+            lines = r.iter_lines()  # keep it: dropping a half-read iterator closes the connection
+            assert next(lines).startswith("data: ")
+            streams.append(lines)
+        srv.terminate()
+        t_term = time.monotonic()
+        time.sleep(0.3)
+        # Not admitting: the listener is closed, or (on a kept-alive connection) 503.
+        with contextlib.suppress(httpx.ConnectError):
+            assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+        with contextlib.suppress(httpx.ConnectError):
+            assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=5).status_code == 503
+        readers = [
+            threading.Thread(target=read_stream, args=(lines, out)) for lines, out in zip(streams, (short, long))
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(60)
+    assert short["error"] is None and short["done"] and short["finish"] == "length", short
+    # At the deadline the long one ends with an error event (not a cut connection).
+    assert long["error"] is None and long["done"] and long["finish"] is None
+    assert long["error_event"]["code"] == "service_unavailable", long
+    assert srv.proc.wait(30) == 0  # a graceful shutdown exits normally
+    assert deadline - 1 < time.monotonic() - t_term < deadline + 10
+    assert "draining" in srv.logs()
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+
+
+def prom_query(prom_url: str, query: str) -> list[dict[str, Any]]:
+    r = httpx.get(prom_url + "/api/v1/query", params={"query": query}, timeout=10)
+    body = r.json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus not installed (scripts/ensure_prometheus.sh)"
+)
+def test_prometheus_scrapes_mean_acceptance_length(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    srv = server_factory(wait=False, max_batch_size=4)  # fresh counters: only this test's requests count
+    target = srv.url.removeprefix("http://")
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"scrape_configs:\n  - job_name: domino\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    port = free_port()
+    prom_url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        srv.wait_ready()  # both start concurrently
+        # Some traffic with partial acceptance, several requests concurrently.
+        spec_fields: list[dict[str, Any]] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            body = httpx.post(
+                srv.url + "/v1/completions",
+                json={"prompt": f"prompt number {i}", "max_tokens": 40, "temperature": 0},
+                timeout=60,
+            ).json()
+            with lock:
+                spec_fields.append(body["spec_decode"])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        drafts = sum(s["num_drafts"] for s in spec_fields)
+        accepted = sum(s["num_accepted_tokens"] for s in spec_fields)
+        assert len(spec_fields) == 8 and drafts > 0
+        expected = (accepted + drafts) / drafts
+
+        query = (
+            "(sum(domino_spec_decode_num_accepted_tokens_total) + sum(domino_spec_decode_num_drafts_total))"
+            " / sum(domino_spec_decode_num_drafts_total)"
+        )
+        hist_query = "sum(domino_acceptance_length_sum) / sum(domino_acceptance_length_count)"
+        deadline = time.monotonic() + 60
+        value = hist_value = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, AssertionError):
+                counts = prom_query(prom_url, "sum(domino_spec_decode_num_drafts_total)")
+                if counts and float(counts[0]["value"][1]) == drafts:
+                    value = float(prom_query(prom_url, query)[0]["value"][1])
+                    hist_value = float(prom_query(prom_url, hist_query)[0]["value"][1])
+                    break
+            time.sleep(0.5)
+        assert value is not None, (tmp_path / "prometheus.log").read_text()[-3000:]
+        assert math.isclose(value, expected, rel_tol=1e-9)
+        assert math.isclose(hist_value, expected, rel_tol=1e-9)
+        assert expected > 1.0  # the tiny drafter gets some drafts accepted
+        print(f"mean acceptance length {expected:.4f} (Prometheus: {value:.4f}, {hist_value:.4f})")
+        up = prom_query(prom_url, 'up{job="domino"}')
+        assert up and up[0]["value"][1] == "1"
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(20)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+        log.close()
+        srv.stop()

@@ -1,0 +1,68 @@
+"""bench.gpu_costs: shapes of the full-size models, and a short CPU run at 1/16 width."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from bench.gpu_costs import MODES, build_drafter, main, scaled_shapes
+
+
+def test_full_size_shapes_are_the_published_ones() -> None:
+    shapes = scaled_shapes(1)
+    assert shapes["hidden_size"] == 4096 and shapes["target_layers"] == 36 and shapes["draft_layers"] == 5
+    assert (shapes["num_attention_heads"], shapes["num_key_value_heads"], shapes["head_dim"]) == (32, 8, 128)
+    assert (shapes["intermediate_size"], shapes["vocab_size"]) == (12288, 151936)
+    assert (shapes["block_size"], shapes["mask_token_id"], shapes["gru_hidden_dim"], shapes["emb_dim"]) == (
+        16,
+        151669,
+        1024,
+        256,
+    )
+    # The drafter config is checked on the meta device: nothing is allocated.
+    cfg = build_drafter(shapes, dtype=torch.bfloat16, device="meta").config
+    assert cfg.target_layer_ids == [1, 9, 17, 25, 33]
+    assert cfg.has_head and cfg.shift_label and cfg.num_drafts == 16
+
+
+def test_scaled_shapes_keep_head_dim() -> None:
+    s = scaled_shapes(16)
+    assert (s["hidden_size"], s["intermediate_size"], s["vocab_size"]) == (256, 768, 9496)
+    assert (s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]) == (2, 1, 128)
+    assert (s["gru_hidden_dim"], s["emb_dim"], s["target_layers"]) == (64, 16, 36)
+    assert s["mask_token_id"] < s["vocab_size"]
+    assert scaled_shapes(16, layers_scale=4)["target_layers"] == 9
+
+
+def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
+    out_json, out_md = tmp_path / "costs.json", tmp_path / "costs.md"
+    main(
+        [
+            "--scale", "16", "--device", "cpu", "--contexts", "48", "--batch-sizes", "2",
+            "--repeats", "1", "--warmup", "1", "--json", str(out_json), "--markdown", str(out_md),
+        ]
+    )  # fmt: skip
+    result = json.loads(out_json.read_text())
+    assert result["environment"]["dtype"] == "float32" and result["environment"]["device"] == "cpu"
+    (row,) = result["rows"]
+    assert (row["batch"], row["context"]) == (2, 48)
+    assert set(row["target_ms"]) == {"1", "2", "4", "8", "16", "17"}
+    measured = [*row["target_ms"].values(), row["backbone_ms"], row["draft_base_ms"], row["draft_domino_ms"]]
+    measured += [row["append_ms"], *(row["engine"][m]["step_ms"] for m in MODES)]
+    assert all(isinstance(t, float) and 0 < t < 60_000 for t in measured), measured
+    # Differences of two medians (head, engine overhead) can dip below zero on a noisy CPU.
+    assert math.isfinite(row["head_ms"]) and all(math.isfinite(row["engine_overhead_ms"][m]) for m in MODES)
+    # A full block is verified in every speculative step (random drafts never shorten it).
+    assert row["engine"]["ar"]["num_drafts"] == 0
+    assert row["engine"]["domino"]["num_drafts"] == row["engine"]["dflash"]["num_drafts"] == 16
+    for name in ("domino", "dflash"):
+        proj = row["projection"][name]
+        for key in ("speedup", "speedup_engine", "step_over_t1", "t_draft_ms", "t_verify_ms"):
+            assert math.isfinite(proj[key]) and proj[key] > 0, (name, key, proj)
+    assert row["projection"]["domino"]["tau"] == 7.17 and row["projection"]["dflash"]["tau"] == 6.06
+    assert math.isfinite(row["projection"]["domino"]["head_overhead"])
+    md = out_md.read_text()
+    assert "### Projection" in md and "| published |" in md and "| 2 | 48 |" in md
