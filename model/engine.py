@@ -97,6 +97,9 @@ class RequestOutput:
     step_draft_tokens: int = 0  # drafts verified for this request in this step
     step_accepted: list[int] = field(default_factory=list)  # accepted draft slots in this step
     is_verify_step: bool = False
+    # With capture_taps: target features [n, K*H] of the inputs committed this step (the prompt at
+    # prefill, then anchor + accepted drafts), i.e. of every position but the last token.
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Engine:
         draft_threshold: float = 0.0,
         max_drafts: int | None = None,
         draft_policy: str = "adaptive",
+        capture_taps: list[int] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -166,8 +170,11 @@ class Engine:
             self.num_drafts = cfg.num_drafts if max_drafts is None else min(max_drafts, cfg.num_drafts)
             self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else 0
         else:
-            target.set_taps([])
+            # Training data generation records the target's features without a drafter.
+            target.set_taps(capture_taps or [])
             self.num_drafts = 0
+        self.capture = bool(capture_taps)
+        self.want_features = self.drafter is not None or self.capture
         # Room for a full block of scratch keys behind the longest allowed context.
         capacity = max_model_len + block + 1
         self.cache = target.new_cache(max_batch_size, capacity)
@@ -365,7 +372,7 @@ class Engine:
         for i, r in enumerate(new):
             tokens[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=self.device)
         self.cache.lengths[lo : lo + len(new)] = 0
-        out = self.target.forward(self.cache, lo, tokens, logits_at=lens - 1, want_features=self.drafter is not None)
+        out = self.target.forward(self.cache, lo, tokens, logits_at=lens - 1, want_features=self.want_features)
         logits = out.logits[:, 0]
         sampling = self._sampling_batch(new, None)
         u = self._draw_uniforms(new, 1)[:, 0]
@@ -387,6 +394,9 @@ class Engine:
             outputs.append(
                 RequestOutput(row.request_id, emitted, reason is not None, reason, row.stats, logprobs[i], stop_tok)
             )
+            if self.capture:
+                assert out.features is not None
+                outputs[-1].features = out.features[i, : len(row.prompt_ids)].to(torch.float16).cpu()
             if reason is not None:
                 done.append(lo + i)
         self.last_timing = StepTiming("prefill", len(new), 0.0, time.perf_counter() - t0)
@@ -457,7 +467,7 @@ class Engine:
             assert draft is not None
             tokens = torch.cat([tokens, draft.tokens[:, :k]], dim=1)
         t_fwd = time.perf_counter()
-        out = self.target.forward(self.cache, lo, tokens, want_features=self.drafter is not None)
+        out = self.target.forward(self.cache, lo, tokens, want_features=self.want_features)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
         self.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
@@ -529,6 +539,9 @@ class Engine:
                     is_verify_step=True,
                 )
             )
+            if self.capture:
+                assert out.features is not None
+                outputs[-1].features = out.features[i, : a + 1].to(torch.float16).cpu()
             if reason is not None:
                 done.append(lo + i)
         if finalize:

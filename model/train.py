@@ -40,13 +40,45 @@ def _shard_path(out: Path, index: int) -> Path:
     return out / f"shard-{index:05d}.jsonl.gz"
 
 
-def read_shards(data_dir: Path) -> list[dict[str, Any]]:
-    """All regenerated samples: {"i": prompt index, "prompt": [ids], "answer": [ids]}."""
+def read_shards(
+    data_dir: Path, taps: list[int] | None = None, features_dir: Path | None = None
+) -> list[dict[str, Any]]:
+    """All regenerated samples: {"i": prompt index, "prompt": [ids], "answer": [ids]}, plus
+    "features" [n - 1, K*H] when gen stored them for these taps."""
     samples = []
     for path in sorted(data_dir.glob("shard-*.jsonl.gz")):
         with gzip.open(path, "rt") as f:
-            samples.extend(json.loads(line) for line in f)
+            shard = [json.loads(line) for line in f]
+        if taps:
+            fpath = _features_path(features_dir or data_dir / "features", path, taps)
+            if fpath.exists():
+                for sample, feats in zip(shard, torch.load(fpath)):
+                    sample["features"] = feats
+        samples.extend(shard)
     return samples
+
+
+def _features_path(features_dir: Path, shard: Path, taps: list[int]) -> Path:
+    return features_dir / (shard.name.removesuffix(".jsonl.gz") + ".taps-" + "-".join(map(str, taps)) + ".pt")
+
+
+def _generate_with_features(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Answers, plus the target features of every position but the last when the engine captures them."""
+    ids = [f"gen-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    feats: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error)
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.features is not None:
+                feats[out.request_id].append(out.features)
+    return [(tokens[r], torch.cat(feats[r]) if feats[r] else None) for r in ids]
 
 
 def gen(args: argparse.Namespace) -> None:
@@ -55,6 +87,8 @@ def gen(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_target(args.target)
+    taps = [int(t) for t in args.taps.split(",")] if args.taps else []
+    features_dir = Path(args.features_dir) if args.features_dir else out / "features"
     if args.prompts:
         prompts: list[Any] = load_prompt_file(Path(args.prompts), tokenizer)
     else:
@@ -67,6 +101,7 @@ def gen(args: argparse.Namespace) -> None:
         max_batch_size=args.batch_size,
         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
         eos_token_ids=eos_token_ids(model, tokenizer),
+        capture_taps=taps or None,
     )
     num_shards = math.ceil(min(len(prompts), args.limit or len(prompts)) / args.shard_size)
     todo = [k for k in range(args.first_shard, num_shards) if not _shard_path(out, k).exists()]
@@ -80,10 +115,16 @@ def gen(args: argparse.Namespace) -> None:
             ids = prompts[i] if args.prompts else chat_prompt_ids(tokenizer, [{"role": "user", "content": prompts[i]}])
             if len(ids) <= args.max_prompt_tokens:
                 batch.append((i, ids))
-        results = engine.generate([ids for _, ids in batch], params)
+        results = _generate_with_features(engine, [ids for _, ids in batch], params)
+        if taps:
+            # Features first: a shard file without its features would be recomputed, never wrong.
+            features_dir.mkdir(parents=True, exist_ok=True)
+            fpath = _features_path(features_dir, _shard_path(out, k), taps)
+            torch.save([f for _, f in results], fpath.with_suffix(".tmp"))
+            os.replace(fpath.with_suffix(".tmp"), fpath)
         tmp = _shard_path(out, k).with_suffix(".tmp")
         with gzip.open(tmp, "wt") as f:
-            for (i, ids), (answer, _, _) in zip(batch, results):
+            for (i, ids), (answer, _) in zip(batch, results):
                 f.write(json.dumps({"i": i, "prompt": ids, "answer": answer}) + "\n")
         os.replace(tmp, _shard_path(out, k))
         new_tokens = sum(len(r[0]) for r in results)
@@ -346,7 +387,17 @@ def fit(args: argparse.Namespace) -> None:
         covered = sum(int((vocab_map[torch.tensor(s["answer"])] >= 0).sum()) for s in samples)
         log.info("draft vocabulary %d covers %.4f of answer tokens", cfg.draft_vocab_size, covered / answer_tokens)
 
-    feats = compute_features(target, sequences, cfg.target_layer_ids)
+    stored = read_shards(Path(args.data), cfg.target_layer_ids, Path(args.features_dir) if args.features_dir else None)
+    if args.max_samples:
+        stored = stored[: args.max_samples]
+    # gen recorded every position but the last (never context for an anchor); compute what's missing.
+    missing = [i for i, s in enumerate(stored) if "features" not in s]
+    computed = dict(zip(missing, compute_features(target, [sequences[i] for i in missing], cfg.target_layer_ids)))
+    feats = [
+        computed[i] if i in computed else torch.cat([s["features"], torch.zeros_like(s["features"][:1])])
+        for i, s in enumerate(stored)
+    ]
+    log.info("features: %d stored by gen, %d computed", len(stored) - len(missing), len(missing))
     data = [(torch.tensor(seq), f, len(s["prompt"])) for seq, f, s in zip(sequences, feats, samples)]
 
     optimizer = torch.optim.AdamW(
@@ -516,11 +567,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heldout", type=int, default=200)
     g.add_argument("--max-prompt-tokens", type=int, default=384)
     g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--taps", default=None, help="also store the target features of these layers (comma list)")
+    g.add_argument("--features-dir", default=None, help="where features go (default: OUT/features; not committed)")
     g.set_defaults(func=gen)
 
     f = sub.add_parser("fit", help="train a drafter on regenerated answers (resumable)")
     f.add_argument("--target", default="default")
     f.add_argument("--data", required=True, help="directory of gen shards")
+    f.add_argument("--features-dir", default=None, help="features stored by gen --taps (default: DATA/features)")
     f.add_argument("--out", required=True, help="drafter checkpoint directory (published layout, bf16)")
     f.add_argument("--run-dir", required=True, help="training state, log.csv and loss.png")
     f.add_argument("--restart", action="store_true", help="ignore a saved state in --run-dir")

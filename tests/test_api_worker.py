@@ -173,3 +173,32 @@ def test_abort_frees_the_slot(engine_and_tokenizer: tuple[Any, Any]) -> None:
         assert worker.in_flight == 0 and worker.engine.num_running == 0
 
     run_with_worker(engine_and_tokenizer, body)
+
+
+def test_app_in_process_health_follows_worker_and_drain(engine_and_tokenizer: tuple[Any, Any]) -> None:
+    """create_app(settings, engine, tokenizer) without a server: /health and admission while draining."""
+    import httpx
+
+    from app.server import create_app
+    from app.settings import Settings
+
+    engine, tok = engine_and_tokenizer
+
+    async def main() -> None:
+        app = create_app(Settings(served_model_name="tiny", drain_timeout=30), engine, tok)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                assert (await c.get("/health")).status_code == 200
+                r = await c.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 3, "temperature": 0})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+                app.state.begin_drain()
+                assert (await c.get("/health")).json() == {"status": "draining"}
+                r = await c.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 3})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+                assert r.headers["retry-after"]
+        # After shutdown the worker is gone: unhealthy.
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            assert (await c.get("/health")).status_code == 503
+
+    asyncio.run(main())

@@ -13,7 +13,7 @@ from model.checkpoint import load_drafter
 from model.drafter import DraftContextCache
 from model.sampling import SamplingBatch
 from model.target import TargetModel
-from model.train import lambda_schedule, lr_schedule, main, read_shards, training_loss
+from model.train import compute_features, lambda_schedule, lr_schedule, main, read_shards, training_loss
 from tests.helpers import tiny_drafter, tiny_target
 
 
@@ -80,14 +80,22 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     _write_prompts(prompts, vocab)
     data = tmp_path / "data"
     main(["gen", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(data),
-          "--shard-size", "8", "--batch-size", "8", "--max-new-tokens", "32"])
-    samples = read_shards(data)
+          "--shard-size", "8", "--batch-size", "8", "--max-new-tokens", "32", "--taps", "2"])
+    samples = read_shards(data, taps=[2])
+    # Features recorded while generating equal a fresh full-sequence pass (fp16 storage).
+    from transformers import AutoModelForCausalLM
+
+    tm = TargetModel(AutoModelForCausalLM.from_pretrained(tiny_target_dir))
+    fresh = compute_features(tm, [s["prompt"] + s["answer"] for s in samples[:4]], [2])
+    for sample, ref in zip(samples[:4], fresh):
+        assert sample["features"].shape[0] == len(sample["prompt"]) + len(sample["answer"]) - 1
+        torch.testing.assert_close(sample["features"].float(), ref[:-1].float(), rtol=1e-2, atol=1e-2)
     assert len(samples) == 24 and all(len(s["answer"]) >= 1 for s in samples)
     assert len(list(data.glob("shard-*.jsonl.gz"))) == 3
     # Resumable: a second run finds every shard done and regenerates nothing.
     before = {p: p.stat().st_mtime_ns for p in data.glob("shard-*")}
     main(["gen", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(data),
-          "--shard-size", "8", "--batch-size", "8", "--max-new-tokens", "32"])
+          "--shard-size", "8", "--batch-size", "8", "--max-new-tokens", "32", "--taps", "2"])
     assert before == {p: p.stat().st_mtime_ns for p in data.glob("shard-*")}
 
     common = ["fit", "--target", str(tiny_target_dir), "--data", str(data), "--layers", "1", "--block-size", "4",
