@@ -20,9 +20,7 @@ CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never contain broken characters."""
 
-    def __init__(
-        self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any, get_args
 
@@ -57,10 +58,20 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.on_drain = on_drain
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises the signal after shutting down; a completed drain exits with status 0.
+            self._captured_signals.clear()
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
-            log.info("received %s: draining in-flight requests (up to %.0f s), admitting no new ones",
-                     signal.Signals(sig).name, self.config.timeout_graceful_shutdown or 0)
+            log.info(
+                "received %s: draining in-flight requests (up to %.0f s), admitting no new ones",
+                signal.Signals(sig).name,
+                self.config.timeout_graceful_shutdown or 0,
+            )
             self.on_drain()
         super().handle_exit(sig, frame)
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                   40.0, 80.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -57,8 +56,9 @@ class Metrics:
             tuple(float(b) for b in sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch_size}) if b <= max_batch_size),
         )
         self.draft_seconds = histogram("domino_draft_step_seconds", "Drafting time per decode step.", STEP_BUCKETS)
-        self.verify_seconds = histogram("domino_verify_step_seconds", "Target verify time per decode step.",
-                                        STEP_BUCKETS)
+        self.verify_seconds = histogram(
+            "domino_verify_step_seconds", "Target verify time per decode step.", STEP_BUCKETS
+        )
         self.running = Gauge("domino_num_requests_running", "Requests in the running batch.", name, registry=r)
         self.waiting = Gauge("domino_num_requests_waiting", "Requests admitted but not yet running.", name, registry=r)
 

@@ -47,7 +47,7 @@ class SamplingFields(_Request):
             return value
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return value
-        raise ValueError("stop must be a string or a list of strings")
+        raise ValueError("must be a string or a list of strings")
 
     @property
     def stop_list(self) -> list[str]:
@@ -77,8 +77,8 @@ class CompletionRequest(SamplingFields):
             if all(is_ids(p) for p in value):
                 return value
         if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+            raise ValueError("must not be empty")
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
 class TextPart(_Request):

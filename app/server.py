@@ -27,14 +27,31 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import protocol as p
 from app.metrics import Metrics
 from app.settings import Settings
-from app.worker import EngineWorker, LogprobEntry, Overloaded, RequestHandle, SeqEvent, SequenceSpec, SpecStats, Unavailable
+from app.worker import (
+    EngineWorker,
+    LogprobEntry,
+    Overloaded,
+    RequestHandle,
+    SeqEvent,
+    SequenceSpec,
+    SpecStats,
+    Unavailable,
+)
 from model.engine import Engine, SamplingParams
 
 log = logging.getLogger(__name__)
 
 # Keys of chat_template_kwargs that would clash with our own call to apply_chat_template.
-RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tokenize", "return_dict", "add_generation_prompt",
-                            "continue_final_message", "return_tensors", "return_assistant_tokens_mask"}
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tokenize",
+    "return_dict",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -86,13 +103,14 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return bad_request("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return bad_request(f"request body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})",
-                           code="invalid_json")
+        return bad_request(
+            f"request body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})", code="invalid_json"
+        )
     param = _param_from_loc(tuple(first.get("loc", ())))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         msg = "field required"
-    if param is None and first.get("type") in ("model_type", "dict_type"):
+    if param is None:
         msg = "request body must be a JSON object"
     return bad_request(f"{param}: {msg}" if param else msg, param=param)
 
@@ -111,6 +129,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 400 and code is None:  # FastAPI could not decode the body at all
+            detail, code = "request body could not be parsed as JSON (it must be UTF-8 encoded JSON)", "invalid_json"
         return APIError(exc.status_code, detail, code=code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
@@ -143,8 +163,12 @@ class GuardMiddleware:
             scheme, _, token = auth.partition(b" ")
             # compare_digest: the time taken does not reveal how much of the key matched.
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                err = APIError(
+                    401,
+                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 await err.response()(scope, receive, send)
                 return
         length = headers.get(b"content-length")
@@ -171,6 +195,11 @@ class GuardMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        if scope.get("method") == "POST" and b"json" not in headers.get(b"content-type", b""):
+            # Every body here is JSON: parse it as such even when a client (curl -d) labels it a form.
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
+            scope["headers"].append((b"content-type", b"application/json"))
         replayed = False
 
         async def replay() -> Message:
@@ -183,8 +212,12 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = APIError(413, f"request body is larger than {self.max_body} bytes", code="request_too_large",
-                       headers={"Connection": "close"})
+        err = APIError(
+            413,
+            f"request body is larger than {self.max_body} bytes",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
         await err.response()(scope, receive, send)
 
 
@@ -218,28 +251,37 @@ class Service:
     # -- validation helpers ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model '{model}' does not exist (this server serves '{self.model_name}').",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_counts(self, body: p.SamplingFields, num_prompts: int) -> int:
         n = body.n if body.n is not None else 1
         if n > self.settings.max_n:
             raise bad_request(f"n: must be at most {self.settings.max_n}, got {n}", param="n")
         if len(body.stop_list) > self.settings.max_stop:
-            raise bad_request(f"stop: at most {self.settings.max_stop} stop strings, got {len(body.stop_list)}",
-                              param="stop")
+            raise bad_request(
+                f"stop: at most {self.settings.max_stop} stop strings, got {len(body.stop_list)}", param="stop"
+            )
         stop_ids = body.stop_token_ids or []
         if len(stop_ids) > self.settings.max_stop:
-            raise bad_request(f"stop_token_ids: at most {self.settings.max_stop} ids, got {len(stop_ids)}",
-                              param="stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids: at most {self.settings.max_stop} ids, got {len(stop_ids)}", param="stop_token_ids"
+            )
         bad = [t for t in stop_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise bad_request(f"stop_token_ids: {bad[:5]} outside the vocabulary (size {self.vocab_size})",
-                              param="stop_token_ids")
+            raise bad_request(
+                f"stop_token_ids: {bad[:5]} outside the vocabulary (size {self.vocab_size})", param="stop_token_ids"
+            )
         if n * num_prompts > self.capacity:
             raise bad_request(
                 f"the request needs {n * num_prompts} sequences (n x prompts) but the server admits at most "
-                f"{self.capacity} at a time", param="n")
+                f"{self.capacity} at a time",
+                param="n",
+            )
         return n
 
     def check_prompt(self, prompt: Prompt, max_tokens: int, param: str, tokens_param: str) -> None:
@@ -247,8 +289,9 @@ class Service:
             raise bad_request(f"{param}: the prompt is empty (it encodes to no tokens)", param=param)
         bad = [t for t in prompt.ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise bad_request(f"{param}: token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})",
-                              param=param)
+            raise bad_request(
+                f"{param}: token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})", param=param
+            )
         total = len(prompt.ids) + max_tokens
         if total > self.max_model_len:
             raise bad_request(
@@ -259,7 +302,9 @@ class Service:
                 code="context_length_exceeded",
             )
 
-    def sampling_params(self, body: p.SamplingFields, max_tokens: int, logprobs: int | None, seed_offset: int) -> SamplingParams:
+    def sampling_params(
+        self, body: p.SamplingFields, max_tokens: int, logprobs: int | None, seed_offset: int
+    ) -> SamplingParams:
         seed = body.seed + seed_offset if body.seed is not None else None
         return SamplingParams(
             max_new_tokens=max_tokens,
@@ -272,7 +317,9 @@ class Service:
             logprobs=logprobs,
         )
 
-    def specs(self, body: p.SamplingFields, prompts: list[tuple[Prompt, int]], n: int, logprobs: int | None) -> list[SequenceSpec]:
+    def specs(
+        self, body: p.SamplingFields, prompts: list[tuple[Prompt, int]], n: int, logprobs: int | None
+    ) -> list[SequenceSpec]:
         """Choice index = prompt index * n + sample index (OpenAI's order); seeds advance per sample."""
         out = []
         for pi, (prompt, max_tokens) in enumerate(prompts):
@@ -285,11 +332,13 @@ class Service:
         try:
             return await self.worker.submit(specs)
         except Overloaded as exc:
-            raise APIError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"}) from None
+            raise APIError(
+                429, str(exc), "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+            ) from None
         except Unavailable as exc:
-            raise APIError(503, str(exc), "server_error", code="service_unavailable",
-                           headers={"Retry-After": "5"}) from None
+            raise APIError(
+                503, str(exc), "server_error", code="service_unavailable", headers={"Retry-After": "5"}
+            ) from None
         except ValueError as exc:  # the engine's own checks (bad params, context length)
             raise bad_request(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - e.g. an engine bug while adding
@@ -356,13 +405,17 @@ def completion_logprobs(entries: list[LogprobEntry], offset: int) -> tuple[p.Com
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> p.ChatLogprobs:
-    return p.ChatLogprobs(content=[
-        p.ChatTokenLogprob(
-            token=e.token.text, logprob=e.logprob, bytes=e.token.bytes,
-            top_logprobs=[p.TopLogprob(token=t.text, logprob=v, bytes=t.bytes) for t, v in e.top],
-        )
-        for e in entries
-    ])
+    return p.ChatLogprobs(
+        content=[
+            p.ChatTokenLogprob(
+                token=e.token.text,
+                logprob=e.logprob,
+                bytes=e.token.bytes,
+                top_logprobs=[p.TopLogprob(token=t.text, logprob=v, bytes=t.bytes) for t, v in e.top],
+            )
+            for e in entries
+        ]
+    )
 
 
 def sse(payload: p.BaseModel | dict[str, Any], omit_none: tuple[str, ...] = ()) -> str:
@@ -373,9 +426,16 @@ def sse(payload: p.BaseModel | dict[str, Any], omit_none: tuple[str, ...] = ()) 
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def generation_error(event: SeqEvent) -> APIError:
+    if event.unavailable:
+        return APIError(503, event.error or "the server is shutting down", "server_error", code="service_unavailable")
+    return APIError(
+        500, f"generation failed: {event.error or 'unknown error'}", "server_error", code="generation_failed"
+    )
+
+
 def error_chunk(event: SeqEvent) -> str:
-    err = APIError(500, f"generation failed: {event.error or 'unknown error'}", "server_error", code="generation_failed")
-    return sse(err.body())
+    return sse(generation_error(event).body())
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -412,11 +472,12 @@ async def collect(request: Request, service: Service, handle: RequestHandle) -> 
     return per_choice
 
 
-def _choice_summary(events: list[SeqEvent]) -> tuple[str, list[LogprobEntry], str | None, SpecStats, int, str | None]:
+def _choice_summary(events: list[SeqEvent]) -> tuple[str, list[LogprobEntry], str | None, SpecStats, int]:
+    """(text, logprob entries, finish reason, statistics, tokens generated) of one choice."""
     text = "".join(e.text for e in events)
     entries = [x for e in events if e.logprobs for x in e.logprobs]
     last = events[-1]
-    return text, entries, last.finish_reason, last.stats or SpecStats(), sum(e.num_tokens for e in events), last.error
+    return text, entries, last.finish_reason, last.stats or SpecStats(), sum(e.num_tokens for e in events)
 
 
 # -- app -------------------------------------------------------------------------------------------
@@ -427,22 +488,40 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
     from model.loading import build_engine, resolve_device
 
     device = resolve_device(settings.device)
-    log.info("loading target %r (drafter %r, mode %s, dtype %s) on %s ...", settings.target,
-             settings.drafter or "auto", settings.mode, settings.dtype, device)
+    log.info(
+        "loading target %r (drafter %r, mode %s, dtype %s) on %s ...",
+        settings.target,
+        settings.drafter or "auto",
+        settings.mode,
+        settings.dtype,
+        device,
+    )
     started = time.monotonic()
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"draft_policy": settings.draft_policy}
     if settings.block_size is not None:
         kwargs["max_drafts"] = settings.block_size
     engine, tokenizer = build_engine(
-        target=settings.target, drafter=settings.drafter, mode=settings.mode, dtype=settings.dtype,
-        device=device, max_batch_size=settings.max_batch_size, max_model_len=settings.max_model_len, **kwargs,
+        target=settings.target,
+        drafter=settings.drafter,
+        mode=settings.mode,
+        dtype=settings.dtype,
+        device=device,
+        max_batch_size=settings.max_batch_size,
+        max_model_len=settings.max_model_len,
+        **kwargs,
     )
     params = sum(t.numel() for t in engine.target.hf_model.parameters())
     log.info(
         "loaded in %.1f s: target %s (%.1fM parameters, %s, %s), mode %s, %s, max batch %d, max model len %d",
-        time.monotonic() - started, settings.target, params / 1e6, engine.target.dtype, engine.device, engine.mode,
+        time.monotonic() - started,
+        settings.target,
+        params / 1e6,
+        engine.target.dtype,
+        engine.device,
+        engine.mode,
         f"{engine.num_drafts} drafts per step" if engine.drafter is not None else "no drafter",
-        engine.max_batch_size, engine.max_model_len,
+        engine.max_batch_size,
+        engine.max_model_len,
     )
     return engine, tokenizer
 
@@ -459,25 +538,37 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
         service = Service(settings, eng, tok)
         service.worker.start(asyncio.get_running_loop())
         app.state.service = service
-        log.info("serving %r at http://%s:%d/v1 (API key %s)", service.model_name, settings.host, settings.port,
-                 "required" if settings.api_key else "not required")
+        log.info(
+            "serving %r at http://%s:%d/v1 (API key %s)",
+            service.model_name,
+            settings.host,
+            settings.port,
+            "required" if settings.api_key else "not required",
+        )
         try:
             yield
         finally:
             await asyncio.to_thread(service.worker.stop)
             app.state.service = None
 
-    app = FastAPI(title="domino-serve", lifespan=lifespan, strict_content_type=False, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="domino-serve",
+        lifespan=lifespan,
+        strict_content_type=False,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.service = None
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_bytes)
     install_error_handlers(app)
 
     def begin_drain() -> None:
-        """SIGTERM: refuse new work and fail /health; in-flight requests run on."""
+        """SIGTERM: refuse new work and fail /health; in-flight requests run on until shortly before
+        uvicorn's own deadline (drain_timeout), then end with an error event rather than a cut."""
         service: Service | None = app.state.service
         if service is not None:
-            service.worker.draining = True
+            service.worker.begin_drain(max(0.0, settings.drain_timeout - 0.5))
 
     app.state.begin_drain = begin_drain
     add_routes(app)
@@ -537,8 +628,9 @@ async def _completions(body: p.CompletionRequest, request: Request) -> Response:
     n = service.check_counts(body, len(raw_prompts))
     echo = bool(body.echo)
     if echo and body.logprobs is not None:
-        raise bad_request("echo: logprobs of the prompt are not available; do not combine echo with logprobs",
-                          param="echo")
+        raise bad_request(
+            "echo: logprobs of the prompt are not available; do not combine echo with logprobs", param="echo"
+        )
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
 
     def tokenize() -> list[Prompt]:
@@ -568,7 +660,8 @@ async def _completions(body: p.CompletionRequest, request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _stream_completion(service, handle, rid, created, echo_text, prompt_tokens, include_usage),
-            media_type="text/event-stream", headers=SSE_HEADERS,
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
 
     per_choice = await collect(request, service, handle)
@@ -577,19 +670,24 @@ async def _completions(body: p.CompletionRequest, request: Request) -> Response:
     choices, total = [], SpecStats()
     completion_tokens = 0
     for index, events in enumerate(per_choice):
-        text, entries, finish, stats, ntok, error = _choice_summary(events)
+        text, entries, finish, stats, ntok = _choice_summary(events)
         if finish == "error":
-            raise APIError(500, f"generation failed: {error or 'unknown error'}", "server_error",
-                           code="generation_failed")
+            raise generation_error(events[-1])
         prefix = echo_text(index)
         logprobs = completion_logprobs(entries, len(prefix))[0] if body.logprobs is not None else None
         choices.append(p.CompletionChoice(index=index, text=prefix + text, logprobs=logprobs, finish_reason=finish))
         total += stats
         completion_tokens += ntok
     resp = p.CompletionResponse(
-        id=rid, created=created, model=service.model_name, choices=choices,
-        usage=p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens),
+        id=rid,
+        created=created,
+        model=service.model_name,
+        choices=choices,
+        usage=p.Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        ),
         spec_decode=spec_decode_field(total),
     )
     return JSONResponse(resp.model_dump(mode="json"))
@@ -636,16 +734,22 @@ async def _stream_completion(
                 if finished == len(handle.specs) and not include_usage:
                     spec = spec_decode_field(total)
             chunk = p.CompletionResponse(
-                id=rid, created=created, model=model,
+                id=rid,
+                created=created,
+                model=model,
                 choices=[p.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=event.finish_reason)],
                 spec_decode=spec,
             )
             yield sse(chunk, omit_none=(*omit, "spec_decode"))
         if include_usage:
-            usage = p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens)
-            chunk = p.CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage,
-                                         spec_decode=spec_decode_field(total))
+            usage = p.Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
+            chunk = p.CompletionResponse(
+                id=rid, created=created, model=model, choices=[], usage=usage, spec_decode=spec_decode_field(total)
+            )
             yield sse(chunk)
         yield "data: [DONE]\n\n"
     finally:
@@ -678,7 +782,8 @@ async def _chat(body: p.ChatCompletionRequest, request: Request) -> Response:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _stream_chat(service, handle, rid, created, len(ids), include_usage),
-            media_type="text/event-stream", headers=SSE_HEADERS,
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
         )
 
     per_choice = await collect(request, service, handle)
@@ -686,20 +791,27 @@ async def _chat(body: p.ChatCompletionRequest, request: Request) -> Response:
         return Response(status_code=499)
     choices, total, completion_tokens = [], SpecStats(), 0
     for index, events in enumerate(per_choice):
-        text, entries, finish, stats, ntok, error = _choice_summary(events)
+        text, entries, finish, stats, ntok = _choice_summary(events)
         if finish == "error":
-            raise APIError(500, f"generation failed: {error or 'unknown error'}", "server_error",
-                           code="generation_failed")
-        choices.append(p.ChatChoice(
-            index=index, message=p.ChatMessageOut(content=text),
-            logprobs=chat_logprobs(entries) if logprobs is not None else None, finish_reason=finish,
-        ))
+            raise generation_error(events[-1])
+        choices.append(
+            p.ChatChoice(
+                index=index,
+                message=p.ChatMessageOut(content=text),
+                logprobs=chat_logprobs(entries) if logprobs is not None else None,
+                finish_reason=finish,
+            )
+        )
         total += stats
         completion_tokens += ntok
     resp = p.ChatCompletionResponse(
-        id=rid, created=created, model=service.model_name, choices=choices,
-        usage=p.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                      total_tokens=len(ids) + completion_tokens),
+        id=rid,
+        created=created,
+        model=service.model_name,
+        choices=choices,
+        usage=p.Usage(
+            prompt_tokens=len(ids), completion_tokens=completion_tokens, total_tokens=len(ids) + completion_tokens
+        ),
         spec_decode=spec_decode_field(total),
     )
     return JSONResponse(resp.model_dump(mode="json"))
@@ -712,8 +824,9 @@ async def _stream_chat(
     model = service.model_name
     total, completion_tokens, finished = SpecStats(), 0, 0
 
-    def chunk(choices: list[p.ChatStreamChoice], spec: p.SpecDecodeStats | None = None,
-              usage: p.Usage | None = None) -> str:
+    def chunk(
+        choices: list[p.ChatStreamChoice], spec: p.SpecDecodeStats | None = None, usage: p.Usage | None = None
+    ) -> str:
         c = p.ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage, spec_decode=spec)
         data = c.model_dump(mode="json")
         for choice in data["choices"]:  # OpenAI deltas carry only the keys that changed
@@ -742,11 +855,20 @@ async def _stream_chat(
                     spec = spec_decode_field(total)
             delta = p.DeltaMessage(content=event.text) if event.text else p.DeltaMessage()
             logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
-            yield chunk([p.ChatStreamChoice(index=event.index, delta=delta, logprobs=logprobs,
-                                            finish_reason=event.finish_reason)], spec)
+            yield chunk(
+                [
+                    p.ChatStreamChoice(
+                        index=event.index, delta=delta, logprobs=logprobs, finish_reason=event.finish_reason
+                    )
+                ],
+                spec,
+            )
         if include_usage:
-            usage = p.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens)
+            usage = p.Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
             yield chunk([], spec_decode_field(total), usage)
         yield "data: [DONE]\n\n"
     finally:
@@ -754,4 +876,3 @@ async def _stream_chat(
 
 
 __all__ = ["APIError", "Service", "create_app", "load_engine"]
-

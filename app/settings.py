@@ -18,10 +18,17 @@ class Settings(BaseSettings):
 
     # -- model ------------------------------------------------------------------------------------
     target: str = Field("default", description="HF directory of the target, or 'default' (embedded SmolLM2-135M)")
-    drafter: str | None = Field(None, description="drafter checkpoint directory (default: the one shipped for the default target)")
+    drafter: str | None = Field(
+        None, description="drafter checkpoint directory (default: the one shipped for the default target)"
+    )
     mode: Mode = Field("domino", description="speculation mode; falls back to 'ar' when no drafter fits")
     block_size: int | None = Field(
         None, ge=1, description="at most this many draft tokens verified per step (default: all the drafter proposes)"
+    )
+    draft_policy: Literal["adaptive", "fixed"] = Field(
+        "adaptive",
+        description="adaptive: drafts per step from the drafter's confidence and measured step costs (drafting "
+        "pauses when it does not pay); fixed: always the full block",
     )
     dtype: Dtype = "auto"
     device: str = "auto"

@@ -11,6 +11,7 @@ it counted in /metrics.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import logging
@@ -97,6 +98,7 @@ class SeqEvent:
     finish_reason: str | None = None
     stats: SpecStats | None = None  # on the final event
     error: str | None = None
+    unavailable: bool = False  # the error is the server going away, not the request failing
 
 
 class TokenTexts:
@@ -177,7 +179,9 @@ class OutputProcessor:
         entries = None
         if lps is not None:
             tt = self.token_texts
-            entries = [LogprobEntry(tt(lp.token_id), lp.logprob, [(tt(t), v) for t, v in lp.top]) for lp in lps[: len(ids)]]
+            entries = [
+                LogprobEntry(tt(lp.token_id), lp.logprob, [(tt(t), v) for t, v in lp.top]) for lp in lps[: len(ids)]
+            ]
         return text, entries, hit
 
 
@@ -214,7 +218,7 @@ class _SeqState:
 
 @dataclass
 class _Command:
-    kind: str  # "add" | "abort" | "stop"
+    kind: str  # "add" | "abort" | "fail_all" | "stop"
     handle: RequestHandle | None = None
     loop_done: Callable[[], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -230,11 +234,16 @@ class EngineWorker:
         processor_factory: ProcessorFactory = OutputProcessor,
     ) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer
+        # A private copy for this thread: the Rust tokenizer can refuse concurrent use ("Already
+        # borrowed") while request handlers encode prompts with the shared one.
+        try:
+            self.tokenizer = copy.deepcopy(tokenizer)
+        except Exception:  # noqa: BLE001 - uncopyable tokenizers are shared
+            self.tokenizer = tokenizer
         self.metrics = metrics
         self.capacity = engine.max_batch_size + max_waiting
         self.processor_factory = processor_factory
-        self.token_texts = TokenTexts(tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self.states: dict[str, _SeqState] = {}
         self.in_flight = 0  # sequences admitted and not finished (event-loop side)
@@ -262,7 +271,8 @@ class EngineWorker:
         # Admission rule: sequences in flight (running + waiting) never exceed max_batch_size + max_waiting.
         if self.in_flight + len(specs) > self.capacity:
             raise Overloaded(
-                f"the server is at capacity ({self.in_flight} sequences in flight, at most {self.capacity}); retry later"
+                f"the server is at capacity ({self.in_flight} sequences in flight, at most {self.capacity}); "
+                "retry later"
             )
         assert self._loop is not None
         handle = RequestHandle(f"req{next(self._ids)}", specs, self._loop)
@@ -297,6 +307,13 @@ class EngineWorker:
         elif not handle.admitted.done():
             handle.admitted.set_result(None)
 
+    def begin_drain(self, deadline: float) -> None:
+        """Admit nothing new; after `deadline` seconds fail what still runs, so clients get a proper
+        error event instead of a cut connection. Safe to call from a signal handler."""
+        self.draining = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, deadline, self.inbox.put, _Command("fail_all"))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the thread."""
         self.draining = True
@@ -325,7 +342,7 @@ class EngineWorker:
                     except Exception:  # noqa: BLE001 - the engine isolates per-request failures itself
                         failures += 1
                         log.exception("engine step failed (%d in a row); failing the requests in it", failures)
-                        self._fail_all("internal error in the engine step")
+                        self._fail_all("internal error in the engine step", unavailable=False)
                         if failures >= MAX_STEP_FAILURES:
                             raise
                 self._update_gauges()
@@ -333,7 +350,9 @@ class EngineWorker:
             log.exception("model worker stopped")
         finally:
             self.alive = False
-            self._fail_all("the server is shutting down" if self.draining else "the model worker stopped")
+            self._fail_all(
+                "the server shut down before the request finished" if self.draining else "the model worker stopped"
+            )
             self._update_gauges()
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -345,11 +364,14 @@ class EngineWorker:
         while True:
             if cmd.kind == "stop":
                 return False
-            assert cmd.handle is not None
             if cmd.kind == "add":
+                assert cmd.handle is not None
                 self._add(cmd.handle)
             elif cmd.kind == "abort":
+                assert cmd.handle is not None
                 self._abort(cmd.handle)
+            elif cmd.kind == "fail_all":
+                self._fail_all("the server shut down before the request finished")
             try:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
@@ -381,13 +403,15 @@ class EngineWorker:
 
     def _step(self) -> None:
         m = self.metrics
+        previous = self.engine.last_timing
         t0 = time.monotonic()
         outputs = self.engine.step()
         t1 = time.monotonic()
         timing = self.engine.last_timing
-        if timing is not None and timing.kind == "decode" and outputs:
+        # A step that only dropped aborted rows leaves the previous timing in place: skip it.
+        if timing is not None and timing is not previous and timing.kind == "decode":
             m.h_batch.observe(timing.batch_size)
-            if self.engine.drafter is not None:
+            if timing.num_drafts > 0:  # steps that drafted (the adaptive policy may pause drafting)
                 m.h_draft.observe(timing.draft_seconds)
             m.h_verify.observe(timing.verify_seconds)
         batch: list[tuple[RequestHandle, SeqEvent]] = []
@@ -401,8 +425,9 @@ class EngineWorker:
                 log.exception("post-processing failed for %s", out.request_id)
                 if not out.finished:
                     self.engine.abort(out.request_id)
-                event = SeqEvent(state.spec.index, finish_reason="error", error=f"{type(exc).__name__}: {exc}",
-                                 stats=_stats(out))
+                event = SeqEvent(
+                    state.spec.index, finish_reason="error", error=f"{type(exc).__name__}: {exc}", stats=_stats(out)
+                )
                 m.c_errors.inc()
             if event.finish_reason is not None:
                 state.done = True
@@ -452,7 +477,7 @@ class EngineWorker:
                 m.c_success[finish].inc()
         return event
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, unavailable: bool = True) -> None:
         """Fail every sequence the worker knows (engine step crashed, or the worker is ending)."""
         batch = []
         for rid, state in list(self.states.items()):
@@ -460,7 +485,8 @@ class EngineWorker:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - best effort on a broken engine
                 pass
-            batch.append((state.handle, SeqEvent(state.spec.index, finish_reason="error", error=message)))
+            event = SeqEvent(state.spec.index, finish_reason="error", error=message, unavailable=unavailable)
+            batch.append((state.handle, event))
             self.metrics.c_errors.inc()
             del self.states[rid]
         if batch:

@@ -195,7 +195,9 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for mode, m in spec.items():
             if m["acceptance_by_position"]:
-                ax.plot(range(1, len(m["acceptance_by_position"]) + 1), m["acceptance_by_position"], marker="o", label=mode)
+                ax.plot(
+                    range(1, len(m["acceptance_by_position"]) + 1), m["acceptance_by_position"], marker="o", label=mode
+                )
         ax.set_xlabel("draft position")
         ax.set_ylabel("accepted per verify step")
         ax.legend()

@@ -62,7 +62,9 @@ def config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
         rope_theta = (raw.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
     taps = _require(raw, "target_layer_ids")
     if not isinstance(taps, list) or not taps or not all(isinstance(t, int) for t in taps):
-        raise CheckpointError(f"drafter config.json: field 'target_layer_ids' must be a non-empty int list, got {taps!r}")
+        raise CheckpointError(
+            f"drafter config.json: field 'target_layer_ids' must be a non-empty int list, got {taps!r}"
+        )
     cfg = DrafterConfig(
         hidden_size=hidden,
         num_hidden_layers=int(_require(raw, "num_hidden_layers")),
@@ -153,7 +155,9 @@ def validate_against_target(cfg: DrafterConfig, hidden_size: int, vocab_size: in
             f"drafter hidden_size {cfg.hidden_size} does not match the target's hidden_size {hidden_size}"
         )
     if cfg.vocab_size != vocab_size:
-        raise CheckpointError(f"drafter vocab_size {cfg.vocab_size} does not match the target's vocab_size {vocab_size}")
+        raise CheckpointError(
+            f"drafter vocab_size {cfg.vocab_size} does not match the target's vocab_size {vocab_size}"
+        )
     bad = [t for t in cfg.target_layer_ids if not 0 <= t < num_layers]
     if bad:
         raise CheckpointError(
@@ -215,8 +219,7 @@ def load_drafter(
                 f"config implies {list(expected[name].shape)}"
             )
     converted = {
-        k: v.to(device=device) if k == "draft_vocab_ids" else v.to(device=device, dtype=dtype)
-        for k, v in state.items()
+        k: v.to(device=device) if k == "draft_vocab_ids" else v.to(device=device, dtype=dtype) for k, v in state.items()
     }
     drafter.load_state_dict(converted, assign=True)
     if cfg.draft_vocab_size is not None:

@@ -91,9 +91,7 @@ def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [..., head_dim] for integer `positions` [...]."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -126,9 +124,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def keys_values(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values [R, kv, T, hd] for inputs x [R, T, H].
 
         Used for both context features and block hidden states: the same projections serve both.
@@ -336,9 +332,7 @@ class Drafter(nn.Module):
         return self.norm(x)
 
     # -- inference ----------------------------------------------------------------------------
-    def append_context(
-        self, cache: DraftContextCache, lo: int, features: torch.Tensor, counts: torch.Tensor
-    ) -> None:
+    def append_context(self, cache: DraftContextCache, lo: int, features: torch.Tensor, counts: torch.Tensor) -> None:
         """Append newly committed tokens' features [R, T, K*H] (counts[r] <= T valid) to slots
         lo..lo+R-1 at each row's current length."""
         r, t, _ = features.shape

@@ -202,7 +202,9 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        seed = (
+            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -259,10 +261,13 @@ class Engine:
         if self.waiting and len(self.rows) < self.max_batch_size:
             free = self.max_batch_size - len(self.rows)
             new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+            states = [row.generator.get_state() for row in new]
             try:
                 outputs.extend(self._prefill(new))
             except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
                 del self.rows[len(self.rows) - len(new) :]
+                for row, state in zip(new, states):
+                    row.generator.set_state(state)  # the retry draws the same random numbers
                 for row in new:
                     try:
                         outputs.extend(self._prefill([row]))
@@ -271,9 +276,12 @@ class Engine:
                             self.rows.pop()
                         outputs.append(self._error_output(row, exc))
         elif self.rows:
+            states = [row.generator.get_state() for row in self.rows]
             try:
                 outputs.extend(self._decode())
             except Exception:  # noqa: BLE001 - retry row by row; caches only advance on success
+                for row, state in zip(self.rows, states):
+                    row.generator.set_state(state)  # the retry draws the same random numbers
                 failed = []
                 for i in range(len(self.rows)):
                     try:
@@ -286,9 +294,7 @@ class Engine:
         return outputs
 
     def _error_output(self, row: _Row, exc: Exception) -> RequestOutput:
-        return RequestOutput(
-            row.request_id, [], True, "error", row.stats, error=f"{type(exc).__name__}: {exc}"
-        )
+        return RequestOutput(row.request_id, [], True, "error", row.stats, error=f"{type(exc).__name__}: {exc}")
 
     def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
         for row in [r for r in self.waiting if r.aborted]:
@@ -424,9 +430,7 @@ class Engine:
         sampling = self._sampling_batch(rows, uniforms[:, :d])
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=dev)
 
-        seeded = torch.tensor(
-            [row.params.seed is not None and row.params.temperature > 0 for row in rows], device=dev
-        )
+        seeded = torch.tensor([row.params.seed is not None and row.params.temperature > 0 for row in rows], device=dev)
         any_seeded = bool(seeded.any())
         t0 = time.perf_counter()
         draft = None
@@ -492,7 +496,9 @@ class Engine:
                 num_drafts[s],
                 uniforms[s, d : d + k],
                 uniforms[s, 2 * d],
-                self.drafter.draft_vocab_ids if self.drafter is not None and self.drafter.config.draft_vocab_size else None,
+                self.drafter.draft_vocab_ids
+                if self.drafter is not None and self.drafter.config.draft_vocab_size
+                else None,
             )
             accepted[s], bonus[s] = acc_s, bonus_s
 

@@ -145,9 +145,7 @@ class TargetModel:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
         self._captured.clear()
-        out = self.decoder(
-            input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-        )
+        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         hidden = out.last_hidden_state
         if logits_at is not None:
             hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]

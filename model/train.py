@@ -198,8 +198,10 @@ def warm_start(drafter: Drafter, target: TargetModel) -> None:
 
 def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
     tcfg = target.config
-    taps = [int(t) for t in args.taps.split(",")] if args.taps else default_target_layer_ids(
-        target.num_layers, args.layers
+    taps = (
+        [int(t) for t in args.taps.split(",")]
+        if args.taps
+        else default_target_layer_ids(target.num_layers, args.layers)
     )
     rope_theta = getattr(tcfg, "rope_theta", None) or (getattr(tcfg, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0
@@ -455,8 +457,16 @@ def fit(args: argparse.Namespace) -> None:
         step += 1
         elapsed = time.perf_counter() - t0
         writer.writerow(
-            [step, f"{out['loss'].item():.4f}", f"{out['base'].item():.4f}", f"{out['final'].item():.4f}",
-             f"{out['acc'].item():.4f}", f"{lam:.4f}", f"{scheduler.get_last_lr()[0]:.3e}", f"{elapsed:.1f}"]
+            [
+                step,
+                f"{out['loss'].item():.4f}",
+                f"{out['base'].item():.4f}",
+                f"{out['final'].item():.4f}",
+                f"{out['acc'].item():.4f}",
+                f"{lam:.4f}",
+                f"{scheduler.get_last_lr()[0]:.3e}",
+                f"{elapsed:.1f}",
+            ]
         )
         bar.update(1)
         bar.set_postfix(loss=f"{out['loss'].item():.3f}", acc=f"{out['acc'].item():.3f}")
@@ -466,7 +476,9 @@ def fit(args: argparse.Namespace) -> None:
     bar.close()
     log_file.close()
     (run / "summary.json").write_text(
-        json.dumps({"steps": step, "samples": len(samples), "answer_tokens": answer_tokens, "wall_s": elapsed}, indent=2)
+        json.dumps(
+            {"steps": step, "samples": len(samples), "answer_tokens": answer_tokens, "wall_s": elapsed}, indent=2
+        )
     )
 
 
@@ -529,8 +541,12 @@ def evaluate(
     results = {}
     for mode in modes:
         engine = Engine(
-            target, drafter, mode=mode, max_batch_size=batch_size,
-            max_model_len=max(len(p) for p in prompts) + max_new_tokens, eos_token_ids=eos,
+            target,
+            drafter,
+            mode=mode,
+            max_batch_size=batch_size,
+            max_model_len=max(len(p) for p in prompts) + max_new_tokens,
+            eos_token_ids=eos,
             draft_policy="fixed",  # τ of the drafter itself: every draft of every block is verified
         )
         out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))

@@ -310,6 +310,7 @@ def server_factory(
             "dtype": "float32",
             "device": "cpu",
             "max_model_len": 512,
+            "draft_policy": "fixed",  # reproducible speculative statistics
             "drain_timeout": 5,
             "log_level": "info",
         }
@@ -319,6 +320,8 @@ def server_factory(
         return srv.wait_ready() if wait else srv
 
     yield start
+    for srv in started:  # signal all first: they shut down in parallel
+        srv.terminate()
     for srv in started:
         srv.stop()
 

@@ -491,6 +491,17 @@ def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
     assert aborted == metric(before, "domino_request_success_total", finished_reason="abort") + 1
     generated = metric(after, "domino_generation_tokens_total") - metric(before, "domino_generation_tokens_total")
     assert generated < 400
+    # The same for a non-streaming request whose client gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 400, "ignore_eos": True},
+            timeout=httpx.Timeout(30, read=0.5),
+        )
+    final = wait_idle(server.url)
+    assert metric(final, "domino_num_requests_running") == 0
+    assert metric(final, "domino_request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(final, "domino_generation_tokens_total") - metric(after, "domino_generation_tokens_total") < 400
     # The server is still fine.
     assert httpx.get(server.url + "/health").status_code == 200
 

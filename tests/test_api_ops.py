@@ -25,8 +25,8 @@ KEY = "sk-test-0123456789"
 
 @pytest.fixture(scope="module")
 def guarded(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
-    """API key required; one running row and one waiting slot (capacity 2)."""
-    return server_factory(api_key=KEY, max_batch_size=1, max_waiting=1)
+    """API key required; one running row and one waiting slot (capacity 2); the default draft policy."""
+    return server_factory(api_key=KEY, max_batch_size=1, max_waiting=1, draft_policy="adaptive")
 
 
 def test_api_key(guarded: ServerProcess) -> None:
@@ -109,8 +109,8 @@ def read_stream(lines: Iterator[str], out: dict[str, Any]) -> None:
 
 
 def test_sigterm_drains_then_exits_at_the_deadline(server_factory: Callable[..., ServerProcess]) -> None:
-    """SIGTERM: no new work; a short in-flight stream finishes; a long one is cut at the deadline."""
-    deadline = 5
+    """SIGTERM: no new work; a short in-flight stream finishes; a long one is ended at the deadline."""
+    deadline = 3
     srv = server_factory(drain_timeout=deadline, mode="ar", max_model_len=4096)
     short, long = {}, {}
     with contextlib.ExitStack() as stack:

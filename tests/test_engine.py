@@ -157,15 +157,15 @@ def test_stop_token_mid_block_ends_exactly_there() -> None:
     pos = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i] and (i - 1) % 5 != 4)
     stop = ref[pos]
     engine = _oracle(model, {"gen-0": ref})
-    (tokens, stats, reason), = engine.generate([prompt], SamplingParams(max_new_tokens=30, stop_token_ids=(stop,)))
+    ((tokens, stats, reason),) = engine.generate([prompt], SamplingParams(max_new_tokens=30, stop_token_ids=(stop,)))
     assert reason == "stop"
     assert tokens == ref[: pos + 1]
     # Same through EOS, and ignore_eos runs past it.
     engine = _oracle(model, {"gen-0": ref}, eos_token_ids=(stop,))
-    (tokens, _, reason), = engine.generate([prompt], SamplingParams(max_new_tokens=30))
+    ((tokens, _, reason),) = engine.generate([prompt], SamplingParams(max_new_tokens=30))
     assert (tokens, reason) == (ref[: pos + 1], "stop")
     engine = _oracle(model, {"gen-0": ref}, eos_token_ids=(stop,))
-    (tokens, _, reason), = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    ((tokens, _, reason),) = engine.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert (tokens, reason) == (ref, "length")
 
 
@@ -176,7 +176,7 @@ def test_context_limit() -> None:
         engine.add_request("a", [1] * 90, SamplingParams(max_new_tokens=7))
     # Exactly at the limit works and fills the context to the last slot.
     prompt = _prompts(1)[0][:6] * 15  # 90 tokens
-    (tokens, _, reason), = engine.generate([prompt[:90]], SamplingParams(max_new_tokens=6))
+    ((tokens, _, reason),) = engine.generate([prompt[:90]], SamplingParams(max_new_tokens=6))
     assert len(tokens) == 6 and reason == "length"
     assert tokens == _hf_greedy(model, prompt[:90], 6)
 
@@ -216,8 +216,12 @@ def test_seeded_sampling_same_alone_and_in_batch() -> None:
     prompts = _prompts(6)
     seeded = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     alone = _engine(model, "domino", 1).generate([prompts[0]], seeded)[0][0]
-    others = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip([5, 30, 12, 9, 18], [1.0, 0, 0.7, 1.3, 0])]
-    batch = _engine(model, "domino", 4).generate([prompts[3], prompts[1], prompts[0], *prompts[2:5]], [others[0], others[1], seeded, *others[2:5]])
+    others = [
+        SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip([5, 30, 12, 9, 18], [1.0, 0, 0.7, 1.3, 0])
+    ]
+    batch = _engine(model, "domino", 4).generate(
+        [prompts[3], prompts[1], prompts[0], *prompts[2:5]], [others[0], others[1], seeded, *others[2:5]]
+    )
     assert batch[2][0] == alone
     again = _engine(model, "domino", 3).generate([prompts[0], prompts[5]], [seeded, others[1]])[0][0]
     assert again == alone

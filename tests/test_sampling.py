@@ -54,8 +54,13 @@ def test_verify_sampling_single_position_matches_p() -> None:
     drafts = sample_with_uniform(q.expand(n, v), torch.rand(n))
     target = torch.stack([p, p]).expand(n, 2, v)
     accepted, bonus = verify_sampling(
-        target, drafts[:, None], q[drafts][:, None], q.expand(n, 1, v), torch.ones(n, dtype=torch.long),
-        torch.rand(n, 1), torch.rand(n),
+        target,
+        drafts[:, None],
+        q[drafts][:, None],
+        q.expand(n, 1, v),
+        torch.ones(n, dtype=torch.long),
+        torch.rand(n, 1),
+        torch.rand(n),
     )
     first = torch.where(accepted == 1, drafts, bonus)
     counts = torch.bincount(first, minlength=v)
@@ -73,9 +78,7 @@ def _exact_joint(model, prompt: list[int], depth: int, temperature: float, top_k
     with torch.no_grad():
         for seq in itertools.product(range(vocab), repeat=depth - 1):
             logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 :]
-            probs = processed_probs(
-                logits, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p)
-            )
+            probs = processed_probs(logits, torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p))
             prefix_prob = 1.0
             for i, tok in enumerate(seq):
                 prefix_prob *= float(probs[i, tok])
@@ -99,7 +102,11 @@ def test_speculative_sampling_matches_target_distribution(temperature: float, to
     model = tiny_target(vocab=vocab, seed=3)
     drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4)  # its q differs from the target's p
     engine = Engine(
-        TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16,
+        TargetModel(model),
+        drafter,
+        mode="domino",
+        max_batch_size=128,
+        max_model_len=16,
         draft_policy="fixed",  # verify every draft: multi-draft blocks on every step
     )
     prompt = [1, 2, 3]

@@ -50,10 +50,15 @@ def test_training_logits_equal_inference_logits() -> None:
         # The same block as a training sequence: context, anchor, then the drafts as ground truth.
         seq = torch.cat([context_ids, torch.tensor([anchor]), result.tokens[0]])[None]
         out = training_loss(
-            drafter, seq, feats[:, : seq.shape[1]] if feats.shape[1] >= seq.shape[1] else torch.cat(
-                [feats, torch.zeros(1, seq.shape[1] - feats.shape[1], feats.shape[2])], 1
-            ),
-            torch.tensor([seq.shape[1]]), torch.tensor([[ctx_len]]), lam=0.0, vocab_map=None,
+            drafter,
+            seq,
+            feats[:, : seq.shape[1]]
+            if feats.shape[1] >= seq.shape[1]
+            else torch.cat([feats, torch.zeros(1, seq.shape[1] - feats.shape[1], feats.shape[2])], 1),
+            torch.tensor([seq.shape[1]]),
+            torch.tensor([[ctx_len]]),
+            lam=0.0,
+            vocab_map=None,
         )
     torch.testing.assert_close(out["final_logits"][0, 0], result.logits[0], rtol=1e-4, atol=1e-4)
 
@@ -67,8 +72,25 @@ def _write_prompts(path: Path, vocab: int, n: int = 24) -> None:
 
 def _tau(target_dir: Path, drafter_dir: Path, prompts: Path, tmp: Path, name: str) -> float:
     out = tmp / f"{name}.json"
-    main(["eval", "--target", str(target_dir), "--drafter", str(drafter_dir), "--prompts", str(prompts),
-          "--modes", "domino", "--limit", "8", "--max-new-tokens", "24", "--json", str(out)])
+    main(
+        [
+            "eval",
+            "--target",
+            str(target_dir),
+            "--drafter",
+            str(drafter_dir),
+            "--prompts",
+            str(prompts),
+            "--modes",
+            "domino",
+            "--limit",
+            "8",
+            "--max-new-tokens",
+            "24",
+            "--json",
+            str(out),
+        ]
+    )
     return json.loads(out.read_text())["domino"]["tau"]
 
 
@@ -79,8 +101,25 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     _write_prompts(prompts, vocab)
     data = tmp_path / "data"
-    main(["gen", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(data),
-          "--shard-size", "8", "--batch-size", "8", "--max-new-tokens", "32", "--taps", "2"])
+    main(
+        [
+            "gen",
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(data),
+            "--shard-size",
+            "8",
+            "--batch-size",
+            "8",
+            "--max-new-tokens",
+            "32",
+            "--taps",
+            "2",
+        ]
+    )
     samples = read_shards(data, taps=[2])
     # Features recorded while generating equal a fresh full-sequence pass (fp16 storage).
     from transformers import AutoModelForCausalLM
@@ -94,13 +133,54 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     assert len(list(data.glob("shard-*.jsonl.gz"))) == 3
     # Resumable: a second run finds every shard done and regenerates nothing.
     before = {p: p.stat().st_mtime_ns for p in data.glob("shard-*")}
-    main(["gen", "--target", str(tiny_target_dir), "--prompts", str(prompts), "--out", str(data),
-          "--shard-size", "8", "--batch-size", "8", "--max-new-tokens", "32", "--taps", "2"])
+    main(
+        [
+            "gen",
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(data),
+            "--shard-size",
+            "8",
+            "--batch-size",
+            "8",
+            "--max-new-tokens",
+            "32",
+            "--taps",
+            "2",
+        ]
+    )
     assert before == {p: p.stat().st_mtime_ns for p in data.glob("shard-*")}
 
-    common = ["fit", "--target", str(tiny_target_dir), "--data", str(data), "--layers", "1", "--block-size", "4",
-              "--gru-size", "32", "--rank", "16", "--draft-vocab", "0", "--batch-seqs", "4", "--anchors", "8",
-              "--lr", "3e-3", "--steps", "120", "--save-every", "40"]
+    common = [
+        "fit",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(data),
+        "--layers",
+        "1",
+        "--block-size",
+        "4",
+        "--gru-size",
+        "32",
+        "--rank",
+        "16",
+        "--draft-vocab",
+        "0",
+        "--batch-seqs",
+        "4",
+        "--anchors",
+        "8",
+        "--lr",
+        "3e-3",
+        "--steps",
+        "120",
+        "--save-every",
+        "40",
+    ]
     untrained = tmp_path / "untrained"
     main([*common, "--out", str(untrained), "--run-dir", str(tmp_path / "run0"), "--stop-after", "0"])
     trained = tmp_path / "drafter"
