@@ -243,6 +243,7 @@ class DraftResult:
     tokens: torch.Tensor  # [R, D] full-vocabulary ids of the drafts
     token_probs: torch.Tensor  # [R, D] drafter probability of each chosen draft
     draft_probs: torch.Tensor | None  # [R, D, V] drafter distribution per slot (sampling rows only)
+    confidence: torch.Tensor  # [R, D] largest probability of each slot's distribution (pre-draw)
     logits: torch.Tensor | None = None  # [R, D, V] final draft logits (return_logits=True)
 
 
@@ -382,21 +383,22 @@ class Drafter(nn.Module):
         draft_hidden = hidden[:, first_slot:]  # [R, D, H]
         base = self.base_logits(draft_hidden)  # [R, D, V]
         if not (self.use_head and cfg.has_head):
-            ids, probs, dist = pick_tokens(base, sampling)
-            return DraftResult(self.to_full_vocab(ids), probs, dist, base if return_logits else None)
+            ids, probs, dist, conf = pick_tokens(base, sampling)
+            return DraftResult(self.to_full_vocab(ids), probs, dist, conf, base if return_logits else None)
 
         r, d, _ = base.shape
         w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
         h = torch.zeros(r, cfg.gru_hidden_dim, dtype=w_hh.dtype, device=hidden.device)
         h = gru_cell(self.embed(anchors).to(w_ih.dtype), h, w_ih, w_hh)
-        ids_out, probs_out, dists, logits_out = [], [], [], []
+        ids_out, probs_out, dists, confs, logits_out = [], [], [], [], []
         for i in range(d):
             logits = base[:, i]
             if i >= cfg.pure_draft_prefix_len:
                 logits = logits + self.correction(draft_hidden[:, i], h)
             if return_logits:
                 logits_out.append(logits)
-            ids, probs, dist = pick_tokens(logits, sampling, slot=i)
+            ids, probs, dist, conf = pick_tokens(logits, sampling, slot=i)
+            confs.append(conf)
             full_ids = self.to_full_vocab(ids)
             ids_out.append(full_ids)
             probs_out.append(probs)
@@ -408,6 +410,7 @@ class Drafter(nn.Module):
             torch.stack(ids_out, dim=1),
             torch.stack(probs_out, dim=1),
             draft_probs,
+            torch.stack(confs, dim=1),
             torch.stack(logits_out, dim=1) if return_logits else None,
         )
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.drafter import DraftContextCache, Drafter, DraftResult
-from model.policy import StepCosts, best_shared_drafts, row_local_drafts
+from model.policy import StepCosts, best_shared_drafts, stopping_drafts
 from model.sampling import (
     SamplingBatch,
     processed_probs,
@@ -430,8 +430,10 @@ class Engine:
         sampling = self._sampling_batch(rows, uniforms[:, :d])
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=dev)
 
-        seeded = torch.tensor([row.params.seed is not None and row.params.temperature > 0 for row in rows], device=dev)
-        any_seeded = bool(seeded.any())
+        sampled_rows = ~sampling.greedy
+        any_sampled = bool(sampled_rows.any())
+        # A seeded request must choose the same alone or in a batch: never pause drafting under it.
+        any_seeded = any(row.params.seed is not None and row.params.temperature > 0 for row in rows)
         t0 = time.perf_counter()
         draft = None
         if d > 0 and (self._skip_drafting == 0 or any_seeded):
@@ -444,21 +446,28 @@ class Engine:
             self.costs.observe_draft(r, t1 - t0)
             budget = torch.tensor([row.params.max_new_tokens - len(row.output_ids) - 1 for row in rows], device=dev)
             budget = budget.clamp_min(0)
-            confidence = draft.token_probs[:, :d].float()
+            # Confidence = each slot's largest probability, known before that slot's draft is drawn:
+            # any rule that stops at the first doubtful slot keeps sampling lossless.
+            confidence = draft.confidence[:, :d].float()
             if self.draft_policy == "fixed":
-                # Stop a row's block at its first draft the drafter itself doubts.
                 confident = (confidence >= self.draft_threshold).long().cumprod(-1).sum(-1)
                 num_drafts = torch.minimum(confident, budget)
             else:
-                shared, _rate = best_shared_drafts(confidence, budget, self.costs)
+                greedy_idx = sampling.greedy.nonzero().squeeze(1)
+                shared = 0
+                if len(greedy_idx):
+                    # Greedy output never depends on the draft count: pick the best rate for the batch.
+                    shared, _rate = best_shared_drafts(confidence[greedy_idx], budget[greedy_idx], self.costs)
                 num_drafts = torch.minimum(torch.full_like(budget, shared), budget)
-                if any_seeded:
-                    # Seeded rows decide alone; others may use the padded width for free.
-                    local = row_local_drafts(confidence, budget)
-                    width = max(shared, int(local[seeded].max()))
-                    num_drafts = torch.where(seeded, local, torch.minimum(torch.full_like(budget, width), budget))
-                elif shared == 0:
+                if any_sampled:
+                    local = stopping_drafts(confidence, budget)
+                    num_drafts = torch.where(sampled_rows, local, num_drafts)
+                    # Greedy rows may use the padded width for free.
+                    width = torch.full_like(budget, int(num_drafts.max()))
+                    num_drafts = torch.where(sampled_rows, num_drafts, torch.minimum(width, budget))
+                if int(num_drafts.max()) == 0:
                     # Speculation did not pay for several steps running: decode plainly for a while.
+                    # (A decision from past steps only, so it is lossless for sampling rows too.)
                     self._no_gain_streak += 1
                     if self._no_gain_streak >= 3:
                         self._skip_drafting, self._no_gain_streak = 8, 0

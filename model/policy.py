@@ -7,9 +7,9 @@ each step picks the draft count k that maximises expected committed tokens per s
     rate(k) = sum_r (1 + E_r(k)) / (t_draft(R) + t_verify(R, k + 1)),
     E_r(k)  = sum_{i<=k} prod_{j<=i} c_{r,j}   (c = the drafter's probability of its own draft j),
 
-and compares it with plain decoding, rate_ar = R / t_verify(R, 1). Seeded sampling rows use a
-fixed, row-local rule instead (the prior cost curve at batch 1), so that a seeded request makes
-the same choices alone or in any batch.
+and compares it with plain decoding, rate_ar = R / t_verify(R, 1). That look-ahead choice is only
+used for greedy rows, whose output does not depend on how many drafts are verified. Sampling rows
+use a row-local stopping rule (`stopping_drafts`) that is lossless and independent of the batch.
 """
 
 from __future__ import annotations
@@ -97,10 +97,17 @@ def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: St
     return best, rates[best]
 
 
-def row_local_drafts(confidence: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """Deterministic per-row choice from the prior batch-1 curve (seeded sampling rows)."""
-    gain = expected_accepted(confidence)
-    d = confidence.shape[1]
+def stopping_drafts(confidence: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    """Per-row draft count by a stopping rule, for sampling rows.
+
+    Slot i is verified only while the expected rate (prior batch-1 costs) does not drop by adding
+    it; the test at slot i uses confidences of slots <= i only, all known before draft i is drawn.
+    That makes the count a stopping time of the draft sequence, which keeps speculative sampling
+    lossless, and it depends on the row alone, so a seeded request decides the same in any batch.
+    """
+    r, d = confidence.shape
+    gain = expected_accepted(confidence)  # [R, D + 1]
     cost = torch.tensor([PRIOR_DRAFT_FRACTION + prior_verify(k + 1) for k in range(d + 1)], dtype=gain.dtype)
-    best = ((1 + gain) / cost.to(gain.device)).argmax(-1)
-    return torch.minimum(best, budget.clamp_min(0))
+    rate = (1 + gain) / cost.to(gain.device)
+    keeps_paying = (rate[:, 1:] >= rate[:, :-1]).long().cumprod(-1)
+    return torch.minimum(keeps_paying.sum(-1), budget.clamp_min(0))

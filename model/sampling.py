@@ -82,16 +82,18 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def pick_tokens(
     logits: torch.Tensor, sampling: SamplingBatch, slot: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Choose one token per distribution in logits [R, V] (slot given) or [R, D, V].
 
-    Returns (ids, probability of each chosen id, full distributions or None when all greedy).
-    Greedy rows take the argmax; their probability is the plain softmax's (used as confidence).
+    Returns (ids, probability of each chosen id, full distributions or None when all greedy,
+    confidence). The confidence is the distribution's largest probability: it is known *before*
+    the token is drawn, so deciding from it whether to verify a draft keeps sampling lossless
+    (deciding from the drawn token's own probability would not). Greedy rows take the argmax.
     """
     greedy_ids = logits.argmax(-1)
     greedy_probs = torch.softmax(logits.float(), dim=-1).gather(-1, greedy_ids[..., None]).squeeze(-1)
     if sampling.all_greedy:
-        return greedy_ids, greedy_probs, None
+        return greedy_ids, greedy_probs, None, greedy_probs
     assert sampling.uniforms is not None, "sampling rows need uniforms"
     temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p)
@@ -100,7 +102,8 @@ def pick_tokens(
     greedy = _expand(sampling.greedy, logits)
     ids = torch.where(greedy, greedy_ids, sampled)
     chosen_probs = torch.where(greedy, greedy_probs, probs.gather(-1, sampled[..., None]).squeeze(-1))
-    return ids, chosen_probs, probs
+    confidence = torch.where(greedy, greedy_probs, probs.max(-1).values)
+    return ids, chosen_probs, probs, confidence
 
 
 def verify_greedy(

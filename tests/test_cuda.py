@@ -90,7 +90,10 @@ def check_greedy(device: str, dtype: torch.dtype = torch.bfloat16, num_prompts: 
     err_engine = 0.0
     for mode in MODES:
         drafter = tiny_drafter(domino=True).to(device, dtype) if mode != "ar" else None
-        engine = Engine(TargetModel(model), drafter, mode=mode, max_batch_size=3, max_model_len=96)
+        # Every draft verified (the adaptive policy may skip drafting for a random drafter).
+        engine = Engine(
+            TargetModel(model), drafter, mode=mode, max_batch_size=3, max_model_len=96, draft_policy="fixed"
+        )
         ids = [f"{mode}-{i}" for i in range(len(prompts))]
         for rid, p, n in zip(ids, prompts, budgets):
             engine.add_request(rid, p, SamplingParams(max_new_tokens=n, logprobs=2))
@@ -124,6 +127,10 @@ def check_greedy(device: str, dtype: torch.dtype = torch.bfloat16, num_prompts: 
                 exact += 1
             else:
                 ties.append((mode, *tie))
+    # The speculative modes verified multi-token blocks and accepted some drafts.
+    for mode in ("dflash", "domino"):
+        assert sum(st.accepted_tokens for _, st, _ in runs[mode]) > 0, mode
+        assert max(max(st.acceptance_lengths, default=1) for _, st, _ in runs[mode]) >= 2, mode
     total = len(MODES) * len(prompts)
     # Near-ties are the exception: most sequences must be identical token for token.
     assert exact * 2 >= total, f"only {exact}/{total} exact; ties {ties}, tol {tol:.3g}"

