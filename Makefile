@@ -7,10 +7,9 @@ DOMINO_PORT ?= 8000
 
 .PHONY: install serve test test-fast lint clean
 
-$(STAMP): requirements.txt constraints.txt pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+# docker/install.sh is also the Docker image's install step: the image installs what CI tests.
+$(STAMP): requirements.txt constraints.txt pyproject.toml docker/install.sh
+	bash docker/install.sh all $(VENV)
 	touch $(STAMP)
 
 install: $(STAMP)

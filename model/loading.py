@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -66,6 +67,23 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return sorted(ids)
 
 
+def resolve_checkpoint(name_or_path: str) -> Path:
+    """A local directory, or a Hugging Face model id looked up in the local HF cache (never downloaded
+    here: serve with HF_HUB_OFFLINE=1 and a mounted cache, or download beforehand)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists() or name_or_path.count("/") != 1 or name_or_path.startswith((".", "/")):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except Exception as exc:  # noqa: BLE001 - report as a missing checkpoint
+        raise FileNotFoundError(
+            f"drafter {name_or_path!r} is neither a directory nor a model in the local Hugging Face cache "
+            f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}): {exc}"
+        ) from None
+
+
 def default_drafter_path(mode: str) -> Path | None:
     path = DEFAULT_DFLASH_DRAFTER_DIR if mode == "dflash" else DEFAULT_DRAFTER_DIR
     if mode == "dflash" and not path.exists():
@@ -90,7 +108,7 @@ def build_engine(
     model, tokenizer = load_target(target, torch_dtype, dev)
     draft_model: Drafter | None = None
     if mode != "ar":
-        path: Path | None = Path(drafter) if drafter else None
+        path: Path | None = resolve_checkpoint(drafter) if drafter else None
         if path is None and target == DEFAULT_TARGET:
             path = default_drafter_path(mode)
         if path is None:

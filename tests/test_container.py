@@ -120,7 +120,7 @@ def test_layers_are_ordered_for_caching_and_use_the_ci_install_script() -> None:
     ins = dockerfile()
     copy_pins = index_of(ins, "COPY", r"^requirements\.txt constraints\.txt ")
     deps = index_of(ins, "RUN", r"docker/install\.sh --keep-torch deps /opt/venv$")
-    default_model = index_of(ins, "RUN", r"docker/install\.sh default-model /opt/venv$")
+    default_model = index_of(ins, "RUN", r"docker/install\.sh default-model /opt/venv\b")
     copy_src = index_of(ins, "COPY", r"^\. \.$")
     project = index_of(ins, "RUN", r"docker/install\.sh project /opt/venv$")
     assert copy_pins < deps < default_model < copy_src < project
