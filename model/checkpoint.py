@@ -240,4 +240,7 @@ def save_drafter(drafter: Drafter, path: str | Path, dtype: torch.dtype | None =
             tensor = tensor.to(dtype)
         state[name] = tensor.contiguous()
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    # safetensors creates the file owner-only; checkpoints are meant to be shared (e.g. COPY'd into
+    # an image that runs as another user).
+    (path / WEIGHTS_NAME).chmod(0o644)
     (path / CONFIG_NAME).write_text(json.dumps(config_to_dict(drafter.config), indent=2, sort_keys=True) + "\n")
