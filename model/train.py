@@ -27,7 +27,7 @@ from tqdm import tqdm
 from model.checkpoint import load_drafter, save_drafter
 from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from model.engine import Engine, SamplingParams
-from model.loading import chat_prompt_ids, eos_token_ids, load_target
+from model.loading import chat_prompt_ids, eos_token_ids, load_target, resolve_device, resolve_dtype
 from model.target import TargetModel
 
 log = logging.getLogger("domino.train")
@@ -86,7 +86,8 @@ def gen(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_target(args.target)
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(args.target, resolve_dtype(args.dtype, device), device)
     taps = [int(t) for t in args.taps.split(",")] if args.taps else []
     features_dir = Path(args.features_dir) if args.features_dir else out / "features"
     if args.prompts:
@@ -103,15 +104,20 @@ def gen(args: argparse.Namespace) -> None:
         eos_token_ids=eos_token_ids(model, tokenizer),
         capture_taps=taps or None,
     )
-    num_shards = math.ceil(min(len(prompts), args.limit or len(prompts)) / args.shard_size)
+    total = min(len(prompts), args.limit or len(prompts))
+    num_shards = math.ceil(total / args.shard_size)
     todo = [k for k in range(args.first_shard, num_shards) if not _shard_path(out, k).exists()]
     log.info("%d train prompts, %d shards of %d, %d to do", len(prompts), num_shards, args.shard_size, len(todo))
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    bar = tqdm(total=len(todo) * args.shard_size, desc="gen", unit="answer")
+    bar = tqdm(total=sum(min(args.shard_size, total - k * args.shard_size) for k in todo), desc="gen", unit="answer")
+    started, last_shard_s = time.perf_counter(), 0.0
     for k in todo:
         t0 = time.perf_counter()
+        if args.time_budget_s and t0 - started + last_shard_s > args.time_budget_s:
+            log.info("time budget reached: stopping before shard %d (rerun to resume)", k)
+            break
         batch = []
-        for i in range(k * args.shard_size, min((k + 1) * args.shard_size, len(prompts))):
+        for i in range(k * args.shard_size, min((k + 1) * args.shard_size, total)):
             ids = prompts[i] if args.prompts else chat_prompt_ids(tokenizer, [{"role": "user", "content": prompts[i]}])
             if len(ids) <= args.max_prompt_tokens:
                 batch.append((i, ids))
@@ -128,7 +134,8 @@ def gen(args: argparse.Namespace) -> None:
                 f.write(json.dumps({"i": i, "prompt": ids, "answer": answer}) + "\n")
         os.replace(tmp, _shard_path(out, k))
         new_tokens = sum(len(r[0]) for r in results)
-        bar.update(args.shard_size)
+        last_shard_s = time.perf_counter() - t0
+        bar.update(min(args.shard_size, total - k * args.shard_size))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
 
@@ -136,24 +143,39 @@ def gen(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------
 # fit: train a drafter
 # ---------------------------------------------------------------------------------------------
-def lambda_schedule(step: int, total_steps: int) -> float:
+def lambda_schedule(progress: float) -> float:
     """Weight of the base-logit loss: 1 -> 0 linearly over the first half of training."""
-    return max(0.0, 1.0 - step / (0.5 * total_steps))
+    return max(0.0, 1.0 - progress / 0.5)
 
 
-def lr_schedule(step: int, total_steps: int, warmup: int) -> float:
-    """Multiplier of the peak learning rate: linear warm-up, then cosine decay to 0."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+def lr_schedule(progress: float, warmup: float) -> float:
+    """Multiplier of the peak learning rate at `progress` in [0, 1]: linear warm-up over the first
+    `warmup` fraction, then cosine decay to 0."""
+    if progress < warmup:
+        return max(progress, 1e-3 * warmup) / warmup
+    rest = (progress - warmup) / max(1e-9, 1.0 - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, rest)))
+
+
+def training_progress(step: int, total_steps: int, elapsed_s: float, time_budget_s: float | None) -> float:
+    """Fraction of training done: by steps, or by wall time when a budget is set (whichever is further),
+    so a time-boxed run (a lent GPU) still warms up, anneals and ends on schedule."""
+    progress = step / total_steps
+    if time_budget_s:
+        progress = max(progress, elapsed_s / time_budget_s)
+    return min(1.0, progress)
 
 
 @torch.inference_mode()
 def compute_features(
-    target: TargetModel, sequences: list[list[int]], taps: list[int], batch_tokens: int = 4096
+    target: TargetModel,
+    sequences: list[list[int]],
+    taps: list[int],
+    batch_tokens: int = 4096,
+    out_device: torch.device | str = "cpu",
 ) -> list[torch.Tensor]:
-    """Concatenated tap hidden states [N, K*H] (fp16) of each full sequence, by length-sorted batches.
+    """Concatenated tap hidden states [N, K*H] (fp16, on `out_device`) of each full sequence, by
+    length-sorted batches.
 
     Right padding needs no mask: causal attention never looks at later (padded) positions."""
     hf = target.hf_model
@@ -169,7 +191,7 @@ def compute_features(
         out = hf.model(input_ids=ids, output_hidden_states=True)
         cat = torch.cat([out.hidden_states[t + 1] for t in taps], dim=-1)
         for row, i in enumerate(batch):
-            feats[i] = cat[row, : len(sequences[i])].to(torch.float16).cpu()
+            feats[i] = cat[row, : len(sequences[i])].to(device=out_device, dtype=torch.float16)
 
     for i in tqdm(order, desc="features", unit="seq"):
         if batch and (len(batch) + 1) * len(sequences[i]) > batch_tokens:
@@ -320,9 +342,9 @@ def _sample_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     picked = [data[rng.randrange(len(data))] for _ in range(seqs)]
     n = max(len(ids) for ids, _, _ in picked)
-    kh = picked[0][1].shape[1]
+    kh, dev = picked[0][1].shape[1], picked[0][1].device
     ids_t = torch.zeros(seqs, n, dtype=torch.long)
-    feats_t = torch.zeros(seqs, n, kh)
+    feats_t = torch.zeros(seqs, n, kh, device=dev)
     lengths = torch.zeros(seqs, dtype=torch.long)
     anchor_t = torch.full((seqs, anchors), -1, dtype=torch.long)
     for r, (ids, feats, answer_start) in enumerate(picked):
@@ -333,7 +355,7 @@ def _sample_batch(
         choices = list(range(max(1, answer_start - 1), len(ids) - 1))
         chosen = rng.sample(choices, min(anchors, len(choices)))
         anchor_t[r, : len(chosen)] = torch.tensor(sorted(chosen))
-    return ids_t, feats_t, lengths, anchor_t
+    return ids_t.to(dev), feats_t, lengths.to(dev), anchor_t.to(dev)
 
 
 def fit(args: argparse.Namespace) -> None:
@@ -341,7 +363,10 @@ def fit(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     run = Path(args.run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    model, _tok = load_target(args.target)
+    device = resolve_device(args.device)
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # TF32 for the drafter's fp32 training matmuls
+    model, _tok = load_target(args.target, torch.float32, device)
     for p in model.parameters():
         p.requires_grad_(False)
     target = TargetModel(model)
@@ -381,6 +406,7 @@ def fit(args: argparse.Namespace) -> None:
         if args.warm_start:
             warm_start(drafter, target)
     cfg = drafter.config
+    drafter.to(device)
     drafter.bind_target(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
     vocab_map = None
     if cfg.draft_vocab_size is not None:
@@ -388,15 +414,19 @@ def fit(args: argparse.Namespace) -> None:
         vocab_map[drafter.draft_vocab_ids] = torch.arange(cfg.draft_vocab_size)
         covered = sum(int((vocab_map[torch.tensor(s["answer"])] >= 0).sum()) for s in samples)
         log.info("draft vocabulary %d covers %.4f of answer tokens", cfg.draft_vocab_size, covered / answer_tokens)
+        vocab_map = vocab_map.to(device)
 
     stored = read_shards(Path(args.data), cfg.target_layer_ids, Path(args.features_dir) if args.features_dir else None)
     if args.max_samples:
         stored = stored[: args.max_samples]
     # gen recorded every position but the last (never context for an anchor); compute what's missing.
     missing = [i for i, s in enumerate(stored) if "features" not in s]
-    computed = dict(zip(missing, compute_features(target, [sequences[i] for i in missing], cfg.target_layer_ids)))
+    # Features stay on the training device (a GPU holds millions of positions; no per-step copies).
+    computed = dict(
+        zip(missing, compute_features(target, [sequences[i] for i in missing], cfg.target_layer_ids, out_device=device))
+    )
     feats = [
-        computed[i] if i in computed else torch.cat([s["features"], torch.zeros_like(s["features"][:1])])
+        computed[i] if i in computed else torch.cat([s["features"], torch.zeros_like(s["features"][:1])]).to(device)
         for i, s in enumerate(stored)
     ]
     log.info("features: %d stored by gen, %d computed", len(stored) - len(missing), len(missing))
@@ -405,12 +435,9 @@ def fit(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
     )
-    warmup = max(1, int(args.warmup * args.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda st: lr_schedule(st, args.steps, warmup))
     step = 0
     if resume:
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
         rng.setstate(state["rng"])
         log.info("resumed from %s at step %d", state_path, step)
@@ -434,7 +461,6 @@ def fit(args: argparse.Namespace) -> None:
                 "config": {k: v for k, v in vars(cfg).items()},
                 "drafter": drafter.state_dict(),
                 "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
                 "step": step,
                 "rng": rng.getstate(),
                 "elapsed": elapsed,
@@ -446,14 +472,19 @@ def fit(args: argparse.Namespace) -> None:
         plot_log(log_path, run / "loss.png")
 
     while step < stop_at:
-        lam = lambda_schedule(step, args.steps) if cfg.has_head else 1.0
+        progress = training_progress(step, args.steps, elapsed, args.time_budget_s)
+        if progress >= 1.0:
+            break
+        lam = lambda_schedule(progress) if cfg.has_head else 1.0
+        lr = args.lr * lr_schedule(progress, args.warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         ids, f, lengths, anchors = _sample_batch(data, args.batch_seqs, args.anchors, cfg.block_size, rng)
         out = training_loss(drafter, ids, f, lengths, anchors, lam, vocab_map, args.gamma)
         optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
         optimizer.step()
-        scheduler.step()
         step += 1
         elapsed = time.perf_counter() - t0
         writer.writerow(
@@ -464,7 +495,7 @@ def fit(args: argparse.Namespace) -> None:
                 f"{out['final'].item():.4f}",
                 f"{out['acc'].item():.4f}",
                 f"{lam:.4f}",
-                f"{scheduler.get_last_lr()[0]:.3e}",
+                f"{lr:.3e}",
                 f"{elapsed:.1f}",
             ]
         )
@@ -556,9 +587,10 @@ def evaluate(
 
 
 def eval_cmd(args: argparse.Namespace) -> None:
-    model, tokenizer = load_target(args.target)
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(args.target, torch.float32, device)
     target = TargetModel(model)
-    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config)
+    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config).to(device)
     prompts = [p for p in load_prompt_file(Path(args.prompts), tokenizer) if len(p) <= args.max_prompt_tokens]
     prompts = prompts[: args.limit] if args.limit else prompts
     modes = [m for m in args.modes.split(",") if m != "domino" or drafter.config.has_head]
@@ -585,6 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--taps", default=None, help="also store the target features of these layers (comma list)")
     g.add_argument("--features-dir", default=None, help="where features go (default: OUT/features; not committed)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    g.add_argument("--time-budget-s", type=float, default=None, help="start no shard that would end after this")
     g.set_defaults(func=gen)
 
     f = sub.add_parser("fit", help="train a drafter on regenerated answers (resumable)")
@@ -615,6 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gamma", type=float, default=None, help="per-slot loss decay exp(-j/gamma)")
     f.add_argument("--save-every", type=int, default=200)
     f.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many steps in this run")
+    f.add_argument(
+        "--time-budget-s", type=float, default=None, help="train for this wall time (schedules follow it), or --steps"
+    )
+    f.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     f.add_argument("--max-samples", type=int, default=None)
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(func=fit)
@@ -628,6 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--max-prompt-tokens", type=int, default=384)
     e.add_argument("--json", default=None)
+    e.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     e.set_defaults(func=eval_cmd)
 
     return parser

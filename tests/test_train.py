@@ -13,17 +13,31 @@ from model.checkpoint import load_drafter
 from model.drafter import DraftContextCache
 from model.sampling import SamplingBatch
 from model.target import TargetModel
-from model.train import compute_features, lambda_schedule, lr_schedule, main, read_shards, training_loss
+from model.train import (
+    compute_features,
+    lambda_schedule,
+    lr_schedule,
+    main,
+    read_shards,
+    training_loss,
+    training_progress,
+)
 from tests.helpers import tiny_drafter, tiny_target
 
 
 def test_schedules() -> None:
-    assert lambda_schedule(0, 100) == 1.0
-    assert lambda_schedule(25, 100) == 0.5
-    assert lambda_schedule(50, 100) == 0.0 and lambda_schedule(90, 100) == 0.0
-    assert lr_schedule(0, 100, 4) == 0.25 and lr_schedule(3, 100, 4) == 1.0
-    assert abs(lr_schedule(52, 100, 4) - 0.5) < 1e-9
-    assert lr_schedule(100, 100, 4) == 0.0
+    assert lambda_schedule(0.0) == 1.0
+    assert lambda_schedule(0.25) == 0.5
+    assert lambda_schedule(0.5) == 0.0 and lambda_schedule(0.9) == 0.0
+    assert lr_schedule(0.01, 0.04) == 0.25 and lr_schedule(0.04, 0.04) == 1.0
+    assert 0 < lr_schedule(0.0, 0.04) < 0.01
+    assert abs(lr_schedule(0.52, 0.04) - 0.5) < 1e-9
+    assert lr_schedule(1.0, 0.04) == 0.0
+    # Progress follows steps, or wall time when a budget is set, whichever is further.
+    assert training_progress(10, 100, 999.0, None) == 0.1
+    assert training_progress(10, 100, 30.0, 60.0) == 0.5
+    assert training_progress(90, 100, 30.0, 60.0) == 0.9
+    assert training_progress(10, 100, 120.0, 60.0) == 1.0
 
 
 def test_training_logits_equal_inference_logits() -> None:
