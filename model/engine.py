@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.drafter import DraftContextCache, Drafter, DraftResult
-from model.policy import StepCosts, best_shared_drafts, stopping_drafts
+from model.policy import AcceptanceCalibration, StepCosts, best_shared_drafts, stopping_drafts
 from model.sampling import (
     SamplingBatch,
     processed_probs,
@@ -157,6 +157,7 @@ class Engine:
         # (model/policy.py); fixed: every draft up to the first below draft_threshold.
         self.draft_policy = draft_policy
         self.costs = StepCosts()
+        self.calibration = AcceptanceCalibration()
         self._skip_drafting = 0  # steps left to decode without drafting, after drafting stopped paying
         self._no_gain_streak = 0
         self.device = target.device
@@ -327,8 +328,15 @@ class Engine:
         )
 
     def _draw_uniforms(self, rows: list[_Row], count: int) -> torch.Tensor:
-        """`count` uniforms per row from that row's own generator (a fixed number per step)."""
-        return torch.stack([torch.rand(count, generator=r.generator) for r in rows]).to(self.device)
+        """`count` uniforms per sampling row from that row's own generator (a fixed number per step).
+
+        Greedy rows get zeros and never touch their generators: no per-row work in greedy batches."""
+        sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        if not sampled:
+            return torch.zeros(len(rows), count, device=self.device)
+        u = torch.zeros(len(rows), count)
+        u[sampled] = torch.stack([torch.rand(count, generator=rows[i].generator) for i in sampled])
+        return u.to(self.device)
 
     def _sample_target(self, logits: torch.Tensor, sampling: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
         """One token per row from target logits [R, V] (greedy rows: argmax)."""
@@ -457,7 +465,8 @@ class Engine:
                 shared = 0
                 if len(greedy_idx):
                     # Greedy output never depends on the draft count: pick the best rate for the batch.
-                    shared, _rate = best_shared_drafts(confidence[greedy_idx], budget[greedy_idx], self.costs)
+                    calibrated = self.calibration.calibrate(confidence[greedy_idx])
+                    shared, _rate = best_shared_drafts(calibrated, budget[greedy_idx], self.costs)
                 num_drafts = torch.minimum(torch.full_like(budget, shared), budget)
                 if any_sampled:
                     local = stopping_drafts(confidence, budget)
@@ -494,6 +503,8 @@ class Engine:
             g = greedy.nonzero().squeeze(1)
             acc_g, bonus_g = verify_greedy(logits[g], drafts[g], num_drafts[g])
             accepted[g], bonus[g] = acc_g, bonus_g
+            if k > 0 and draft is not None:
+                self.calibration.observe(draft.confidence[g, :k].float(), num_drafts[g], acc_g)
         if not bool(greedy.all()):
             s = (~greedy).nonzero().squeeze(1)
             p = processed_probs(logits[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])

@@ -55,7 +55,16 @@ class StepCosts:
         self._ema(self.draft_s, batch, seconds)
 
     def verify(self, batch: int, tokens: int) -> float:
-        """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve."""
+        """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.
+
+        Never more than a measured forward over more tokens at this batch size: one noisy sample
+        must not make a short verify look dearer than a long one (the policy would then never try,
+        and never measure, the short one)."""
+        longer = [s for (b, t), s in self.verify_s.items() if b == batch and t > tokens]
+        estimate = self._verify_estimate(batch, tokens)
+        return min([estimate, *longer])
+
+    def _verify_estimate(self, batch: int, tokens: int) -> float:
         if (batch, tokens) in self.verify_s:
             return self.verify_s[(batch, tokens)]
         same_batch = [(t, s) for (b, t), s in self.verify_s.items() if b == batch]
@@ -75,6 +84,48 @@ class StepCosts:
             b, s = min(self.draft_s.items(), key=lambda kv: abs(kv[0] - batch))
             return s * batch / b
         return PRIOR_DRAFT_FRACTION * self.verify(batch, 1)
+
+
+class AcceptanceCalibration:
+    """P(a greedy draft is accepted | the drafter's confidence), learned from this engine's verify steps.
+
+    A drafter's top probability is an over-confident guess of acceptance when its training data is
+    thin (the shipped SmolLM2 drafter reports ~0.6 where ~0.2 is accepted), and a look-ahead rule fed
+    raw confidences keeps paying for rejected drafts. Each verified greedy slot that was reached (all
+    earlier drafts accepted) adds one observation to its confidence bin; the estimate is the bin's
+    acceptance rate, shrunk towards the raw confidence while the bin has few observations, and old
+    observations fade so the estimate follows the traffic. Used for greedy rows only: their output
+    does not depend on the draft count, so a batch-wide estimate cannot change what they emit.
+    """
+
+    def __init__(self, bins: int = 20, prior_weight: float = 2.0, decay: float = 0.998) -> None:
+        self.bins = bins
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.reached = torch.zeros(bins, dtype=torch.float64)
+        self.accepted = torch.zeros(bins, dtype=torch.float64)
+
+    def _bin(self, confidence: torch.Tensor) -> torch.Tensor:
+        return (confidence.double().clamp(0, 1) * self.bins).long().clamp_max(self.bins - 1)
+
+    def observe(self, confidence: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """confidence [R, k] of the verified slots, num_drafts [R] verified per row, accepted [R]."""
+        if confidence.numel() == 0:
+            return
+        confidence, num_drafts, accepted = confidence.cpu(), num_drafts.cpu(), accepted.cpu()
+        slot = torch.arange(confidence.shape[1])[None, :]
+        reached = (slot < num_drafts[:, None]) & (slot <= accepted[:, None])
+        hit = slot < accepted[:, None]
+        bins = self._bin(confidence)[reached]
+        self.reached.mul_(self.decay).index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
+        self.accepted.mul_(self.decay).index_add_(0, bins, hit[reached].double())
+
+    def calibrate(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Estimated acceptance probability for each confidence (same shape and device)."""
+        b = self._bin(confidence.cpu())
+        raw = confidence.cpu().double()
+        rate = (self.accepted[b] + self.prior_weight * raw) / (self.reached[b] + self.prior_weight)
+        return rate.to(device=confidence.device, dtype=confidence.dtype)
 
 
 def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:

@@ -173,6 +173,7 @@ def compute_features(
     taps: list[int],
     batch_tokens: int = 4096,
     out_device: torch.device | str = "cpu",
+    progress: bool = True,
 ) -> list[torch.Tensor]:
     """Concatenated tap hidden states [N, K*H] (fp16, on `out_device`) of each full sequence, by
     length-sorted batches.
@@ -193,7 +194,7 @@ def compute_features(
         for row, i in enumerate(batch):
             feats[i] = cat[row, : len(sequences[i])].to(device=out_device, dtype=torch.float16)
 
-    for i in tqdm(order, desc="features", unit="seq"):
+    for i in tqdm(order, desc="features", unit="seq", disable=not progress):
         if batch and (len(batch) + 1) * len(sequences[i]) > batch_tokens:
             flush()
             batch = []
@@ -338,9 +339,10 @@ def training_loss(
 
 
 def _sample_batch(
-    data: list[tuple[torch.Tensor, torch.Tensor, int]], seqs: int, anchors: int, block: int, rng: random.Random
+    picked: list[tuple[torch.Tensor, torch.Tensor, int]], anchors: int, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    picked = [data[rng.randrange(len(data))] for _ in range(seqs)]
+    """Padded ids [S, N], features [S, N, K*H], lengths [S] and anchors [S, M] of picked sequences."""
+    seqs = len(picked)
     n = max(len(ids) for ids, _, _ in picked)
     kh, dev = picked[0][1].shape[1], picked[0][1].device
     ids_t = torch.zeros(seqs, n, dtype=torch.long)
@@ -388,9 +390,8 @@ def fit(args: argparse.Namespace) -> None:
     else:
         vocab_size = None
         if args.draft_vocab:
-            counts = torch.zeros(target.vocab_size, dtype=torch.long)
-            for seq in sequences:
-                counts += torch.bincount(torch.tensor(seq), minlength=target.vocab_size)
+            every_token = torch.tensor([t for seq in sequences for t in seq])
+            counts = torch.bincount(every_token, minlength=target.vocab_size)
             vocab_size = min(args.draft_vocab, target.vocab_size)
         drafter = Drafter(make_drafter_config(args, target, vocab_size))
         # Published-style init for the head; norms at one.
@@ -412,24 +413,33 @@ def fit(args: argparse.Namespace) -> None:
     if cfg.draft_vocab_size is not None:
         vocab_map = torch.full((target.vocab_size,), -1, dtype=torch.long)
         vocab_map[drafter.draft_vocab_ids] = torch.arange(cfg.draft_vocab_size)
-        covered = sum(int((vocab_map[torch.tensor(s["answer"])] >= 0).sum()) for s in samples)
+        covered = int((vocab_map[torch.tensor([t for s in samples for t in s["answer"]])] >= 0).sum())
         log.info("draft vocabulary %d covers %.4f of answer tokens", cfg.draft_vocab_size, covered / answer_tokens)
         vocab_map = vocab_map.to(device)
 
     stored = read_shards(Path(args.data), cfg.target_layer_ids, Path(args.features_dir) if args.features_dir else None)
     if args.max_samples:
         stored = stored[: args.max_samples]
+    if args.online_features:
+        stored = [{k: v for k, v in s.items() if k != "features"} for s in stored]
     # gen recorded every position but the last (never context for an anchor); compute what's missing.
-    missing = [i for i, s in enumerate(stored) if "features" not in s]
+    missing = [] if args.online_features else [i for i, s in enumerate(stored) if "features" not in s]
     # Features stay on the training device (a GPU holds millions of positions; no per-step copies).
     computed = dict(
         zip(missing, compute_features(target, [sequences[i] for i in missing], cfg.target_layer_ids, out_device=device))
     )
     feats = [
-        computed[i] if i in computed else torch.cat([s["features"], torch.zeros_like(s["features"][:1])]).to(device)
+        None
+        if args.online_features
+        else computed[i]
+        if i in computed
+        else torch.cat([s["features"], torch.zeros_like(s["features"][:1])]).to(device)
         for i, s in enumerate(stored)
     ]
-    log.info("features: %d stored by gen, %d computed", len(stored) - len(missing), len(missing))
+    if args.online_features:
+        log.info("features: computed per batch (no stored copies)")
+    else:
+        log.info("features: %d stored by gen, %d computed", len(stored) - len(missing), len(missing))
     data = [(torch.tensor(seq), f, len(s["prompt"])) for seq, f, s in zip(sequences, feats, samples)]
 
     optimizer = torch.optim.AdamW(
@@ -479,7 +489,14 @@ def fit(args: argparse.Namespace) -> None:
         lr = args.lr * lr_schedule(progress, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids, f, lengths, anchors = _sample_batch(data, args.batch_seqs, args.anchors, cfg.block_size, rng)
+        picked = [data[rng.randrange(len(data))] for _ in range(args.batch_seqs)]
+        if args.online_features:
+            # Large data on a small machine: one target forward per batch instead of stored features.
+            feats_now = compute_features(
+                target, [p[0].tolist() for p in picked], cfg.target_layer_ids, out_device=device, progress=False
+            )
+            picked = [(ids, f, start) for (ids, _, start), f in zip(picked, feats_now)]
+        ids, f, lengths, anchors = _sample_batch(picked, args.anchors, rng)
         out = training_loss(drafter, ids, f, lengths, anchors, lam, vocab_map, args.gamma)
         optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
@@ -654,6 +671,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-budget-s", type=float, default=None, help="train for this wall time (schedules follow it), or --steps"
     )
     f.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    f.add_argument(
+        "--online-features",
+        action="store_true",
+        help="compute target features per batch (no stored features; for data larger than memory)",
+    )
     f.add_argument("--max-samples", type=int, default=None)
     f.add_argument("--seed", type=int, default=0)
     f.set_defaults(func=fit)

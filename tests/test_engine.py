@@ -97,7 +97,7 @@ class OracleEngine(Engine):
         return DraftResult(out, torch.ones(len(rows), d), None, torch.ones(len(rows), d))
 
 
-def _oracle(model, continuations, corrupt=frozenset(), batch=4, **kwargs) -> OracleEngine:
+def _oracle(model, continuations, corrupt=frozenset(), batch=4, draft_policy="fixed", **kwargs) -> OracleEngine:
     return OracleEngine(
         TargetModel(model),
         tiny_drafter(domino=False, block_size=5),  # 4 drafts per block
@@ -106,7 +106,7 @@ def _oracle(model, continuations, corrupt=frozenset(), batch=4, **kwargs) -> Ora
         max_model_len=96,
         continuations=continuations,
         corrupt=corrupt,
-        draft_policy="fixed",
+        draft_policy=draft_policy,
         **kwargs,
     )
 

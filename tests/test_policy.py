@@ -1,0 +1,93 @@
+"""The adaptive draft policy: calibrating the drafter's confidence against observed acceptance."""
+
+from __future__ import annotations
+
+import torch
+
+from model.engine import SamplingParams
+from model.policy import AcceptanceCalibration, StepCosts, best_shared_drafts
+from tests.helpers import tiny_target
+from tests.test_engine import _hf_greedy, _oracle, _prompts
+
+
+class PriorCosts(StepCosts):
+    """Step costs frozen at the prior curve (no measurements)."""
+
+    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        pass
+
+
+def test_short_verify_never_estimated_dearer_than_a_measured_longer_one() -> None:
+    costs = StepCosts()
+    costs.observe_verify(1, 2, 0.050)  # a noisy sample
+    costs.observe_verify(1, 5, 0.020)
+    assert costs.verify(1, 1) <= 0.020 and costs.verify(1, 2) == 0.020 and costs.verify(1, 5) == 0.020
+    assert costs.verify(1, 9) > 0.020  # longer than anything measured: scaled up by the prior
+
+
+def test_calibration_learns_over_confidence() -> None:
+    cal = AcceptanceCalibration(bins=10, prior_weight=8.0, decay=1.0)
+    conf = torch.full((4, 3), 0.95)
+    # Untrained: the raw confidence stands.
+    assert torch.allclose(cal.calibrate(conf), conf)
+    # 200 rows: slot 0 accepted 10 % of the time; later slots reached only after an acceptance.
+    for step in range(50):
+        accepted = torch.tensor([1 if (step * 4 + r) % 10 == 0 else 0 for r in range(4)])
+        cal.observe(conf, torch.full((4,), 3), accepted)
+    est = float(cal.calibrate(torch.tensor([[0.95]]))[0, 0])
+    assert 0.08 < est < 0.2, est
+    # Bins that saw nothing keep the raw value.
+    assert abs(float(cal.calibrate(torch.tensor([[0.35]]))[0, 0]) - 0.35) < 1e-6
+    # Only reached slots count: 200 rows reached slot 0, 20 reached slot 1 (all rejected there).
+    assert abs(float(cal.reached.sum()) - 220) < 1e-9 and abs(float(cal.accepted.sum()) - 20) < 1e-9
+
+
+def test_calibration_keeps_a_well_calibrated_drafter_and_fades_old_evidence() -> None:
+    cal = AcceptanceCalibration(bins=10, prior_weight=8.0, decay=0.9)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        conf = torch.full((8, 1), 0.75)
+        accepted = (torch.rand(8, generator=gen) < 0.75).long()
+        cal.observe(conf, torch.ones(8, dtype=torch.long), accepted)
+    assert abs(float(cal.calibrate(torch.tensor([[0.75]]))[0, 0]) - 0.75) < 0.1
+    # With decay 0.9 the total weight stays bounded (about 8 / (1 - 0.9)), so new traffic wins quickly.
+    assert float(cal.reached.sum()) < 100
+
+
+def test_calibrated_confidence_turns_drafting_off_when_it_does_not_pay() -> None:
+    costs = StepCosts()
+    conf = torch.full((1, 4), 0.9)
+    budget = torch.tensor([100])
+    assert best_shared_drafts(conf, budget, costs)[0] > 0
+    cal = AcceptanceCalibration(decay=1.0)
+    for _ in range(100):
+        cal.observe(conf, torch.tensor([4]), torch.tensor([0]))
+    assert best_shared_drafts(cal.calibrate(conf), budget, costs)[0] == 0
+
+
+def test_adaptive_engine_stops_paying_for_confidently_wrong_drafts() -> None:
+    """The oracle reports confidence 1.0 but its first draft is always wrong: the adaptive policy
+    learns that and verifies (almost) no drafts, while a perfect oracle keeps full blocks."""
+    model = tiny_target()
+    prompts = _prompts(2)
+    # A tiny target verifies 5 tokens as cheaply as 1, where any acceptance pays: judge the policy
+    # against the step costs of the real default target (the prior curve), not this toy's.
+    refs = [_hf_greedy(model, p, 60) for p in prompts]
+    conts = {f"gen-{i}": r for i, r in enumerate(refs)}
+    wrong = _oracle(model, conts, corrupt={0}, draft_policy="adaptive")
+    wrong.costs = PriorCosts()
+    results = wrong.generate(prompts, SamplingParams(max_new_tokens=60))
+    assert [t for t, _, _ in results] == refs
+    steps = sum(s.verify_steps for _, s, _ in results)
+    drafted = sum(s.draft_tokens for _, s, _ in results)
+    assert drafted <= 0.3 * steps, (drafted, steps)  # uncalibrated: 4 drafts every step
+
+    right = _oracle(model, conts, draft_policy="adaptive")
+    right.costs = PriorCosts()
+    results = right.generate(prompts, SamplingParams(max_new_tokens=60))
+    assert [t for t, _, _ in results] == refs
+    lengths = [x for _, s, _ in results for x in s.acceptance_lengths]
+    assert sum(lengths) / len(lengths) > 3.0, lengths
