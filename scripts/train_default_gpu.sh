@@ -35,7 +35,7 @@ common=(--data "$DATA" --taps $TAPS --block-size 8 --gru-size 256 --rank 64 --dr
 for layers in $LAYERS; do
   for kind in domino dflash; do
     head=(); [ $kind = dflash ] && head=(--no-head)
-    $PY -m model.train fit "${common[@]}" "${head[@]}" --layers "$layers" \
+    OMP_NUM_THREADS=2 $PY -m model.train fit "${common[@]}" "${head[@]}" --layers "$layers" \
       --out "$WORK/$kind-l$layers" --run-dir "$WORK/run-$kind-l$layers" > "$WORK/fit-$kind-l$layers.log" 2>&1 &
   done
 done
@@ -43,7 +43,7 @@ wait
 
 for layers in $LAYERS; do
   for kind in domino dflash; do
-    $PY -m model.train eval --drafter "$WORK/$kind-l$layers" --modes $kind --device "$DEVICE" \
+    OMP_NUM_THREADS=2 $PY -m model.train eval --drafter "$WORK/$kind-l$layers" --modes $kind --device "$DEVICE" \
       --limit "$EVAL_LIMIT" --json "$WORK/$kind-l$layers/eval.json" > "$WORK/eval-$kind-l$layers.log" 2>&1 &
   done
 done
