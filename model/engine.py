@@ -124,6 +124,9 @@ class _Row:
     aborted: bool = False
 
 
+PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
+
+
 class Engine:
     def __init__(
         self,
@@ -160,6 +163,8 @@ class Engine:
         self.calibration = AcceptanceCalibration()
         self._skip_drafting = 0  # steps left to decode without drafting, after drafting stopped paying
         self._no_gain_streak = 0
+        self._pause_len = PAUSE_MIN  # doubles while probes keep finding that drafting does not pay
+        self.draft_forwards = 0  # steps that ran the drafter
         self.device = target.device
         block = 1
         if self.drafter is not None:
@@ -378,6 +383,9 @@ class Engine:
     @torch.inference_mode()
     def _prefill(self, new: list[_Row]) -> list[RequestOutput]:
         """Admit rows: one batched prompt forward, first token sampled from its last position."""
+        # New text may suit the drafter better: probe again soon.
+        self._pause_len = PAUSE_MIN
+        self._skip_drafting = min(self._skip_drafting, PAUSE_MIN)
         lo = len(self.rows)
         self.rows.extend(new)
         t0 = time.perf_counter()
@@ -446,6 +454,7 @@ class Engine:
         draft = None
         if d > 0 and (self._skip_drafting == 0 or any_seeded):
             draft = self._propose(lo, rows, anchors, sampling)
+            self.draft_forwards += 1
         elif self._skip_drafting > 0:
             self._skip_drafting -= 1
         t1 = time.perf_counter()
@@ -477,11 +486,16 @@ class Engine:
                 if int(num_drafts.max()) == 0:
                     # Speculation did not pay for several steps running: decode plainly for a while.
                     # (A decision from past steps only, so it is lossless for sampling rows too.)
+                    # The first pause needs 3 such steps; a probe after a pause needs one, and
+                    # each failed probe doubles the next pause (a drafter that never pays costs
+                    # one draft every PAUSE_MAX steps).
                     self._no_gain_streak += 1
-                    if self._no_gain_streak >= 3:
-                        self._skip_drafting, self._no_gain_streak = 8, 0
+                    if self._no_gain_streak >= (3 if self._pause_len == PAUSE_MIN else 1):
+                        self._skip_drafting, self._no_gain_streak = self._pause_len, 0
+                        self._pause_len = min(2 * self._pause_len, PAUSE_MAX)
                 else:
                     self._no_gain_streak = 0
+                    self._pause_len = PAUSE_MIN
         k = int(num_drafts.max())
 
         tokens = anchors[:, None]
