@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -242,11 +243,16 @@ class Engine:
         return len(self.waiting)
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        on_output: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[tuple[list[int], RequestStats, str | None]]:
-        """Run prompts to completion (tests, benchmarks, data generation)."""
+        """Run prompts to completion (tests, benchmarks, data generation); `on_output(i, out)` sees
+        every step's output for prompt i (e.g. the features captured for training data)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{i}" for i in range(len(prompts))]
+        index = {rid: i for i, rid in enumerate(ids)}
         for rid, prompt, p in zip(ids, prompts, plist):
             self.add_request(rid, prompt, p)
         results: dict[str, tuple[list[int], RequestStats, str | None]] = {}
@@ -254,6 +260,8 @@ class Engine:
         while self.has_unfinished():
             for out in self.step():
                 tokens[out.request_id].extend(out.new_token_ids)
+                if on_output is not None:
+                    on_output(index[out.request_id], out)
                 if out.finished:
                     if out.finish_reason == "error":
                         raise RuntimeError(out.error)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from model.checkpoint import load_drafter, save_drafter
 from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
-from model.engine import Engine, SamplingParams
+from model.engine import Engine, RequestOutput, SamplingParams
 from model.loading import chat_prompt_ids, eos_token_ids, load_target, resolve_device, resolve_dtype
 from model.target import TargetModel
 
@@ -66,19 +66,14 @@ def _generate_with_features(
     engine: Engine, prompts: list[list[int]], params: SamplingParams
 ) -> list[tuple[list[int], torch.Tensor | None]]:
     """Answers, plus the target features of every position but the last when the engine captures them."""
-    ids = [f"gen-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    feats: dict[str, list[torch.Tensor]] = {rid: [] for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finish_reason == "error":
-                raise RuntimeError(out.error)
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.features is not None:
-                feats[out.request_id].append(out.features)
-    return [(tokens[r], torch.cat(feats[r]) if feats[r] else None) for r in ids]
+    feats: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def keep(i: int, out: RequestOutput) -> None:
+        if out.features is not None:
+            feats[i].append(out.features)
+
+    results = engine.generate(prompts, params, on_output=keep)
+    return [(tokens, torch.cat(f) if f else None) for (tokens, _, _), f in zip(results, feats)]
 
 
 def gen(args: argparse.Namespace) -> None:
