@@ -83,27 +83,21 @@ def build_tiny_tokenizer(vocab_size: int = 800) -> Any:
 
 
 def build_tiny_target(tokenizer: Any, seed: int = 0, num_layers: int = 4) -> Any:
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    """tests.helpers.tiny_target sized to the tiny tokenizer, with its EOS/pad ids, for serving."""
+    from transformers import GenerationConfig
 
-    torch.manual_seed(seed)
+    from tests.helpers import tiny_target
+
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    model = tiny_target(
+        vocab=len(tokenizer),
+        layers=num_layers,
+        seed=seed,
         max_position_embeddings=4096,
-        initializer_range=0.2,
         tie_word_embeddings=True,
         eos_token_id=eos,
-        bos_token_id=None,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen3ForCausalLM(config).eval()
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     return model
 

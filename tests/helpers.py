@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from model.drafter import Drafter, DrafterConfig
 
 
-def tiny_target(kind: str = "qwen3", vocab: int = 128, layers: int = 4, seed: int = 0) -> PreTrainedModel:
-    """A random tiny target. A wide init keeps logits far from ties, so greedy is well defined."""
+def tiny_target(
+    kind: str = "qwen3", vocab: int = 128, layers: int = 4, seed: int = 0, **config: Any
+) -> PreTrainedModel:
+    """A random tiny target. A wide init keeps logits far from ties, so greedy is well defined.
+    `config` overrides fields of the model config (e.g. eos/pad ids for a served model)."""
     torch.manual_seed(seed)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
@@ -25,6 +30,7 @@ def tiny_target(kind: str = "qwen3", vocab: int = 128, layers: int = 4, seed: in
         bos_token_id=None,
         pad_token_id=None,
     )
+    common.update(config)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common))
     elif kind == "llama":
