@@ -370,9 +370,15 @@ class Drafter(nn.Module):
         return self.embed_proj(torch.cat([hidden, gru_state.to(hidden.dtype)], dim=-1))
 
     def draft(
-        self, hidden: torch.Tensor, anchors: torch.Tensor, sampling: SamplingBatch, return_logits: bool = False
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        sampling: SamplingBatch,
+        return_logits: bool = False,
+        num_slots: int | None = None,
     ) -> DraftResult:
-        """Choose the drafts of one block per row from block hidden states [R, B, H].
+        """Choose the drafts of one block per row from block hidden states [R, B, H]; only the
+        first `num_slots` draft slots (default: all) are computed.
 
         Without the head (or with `use_head` off) every slot picks from its base logits at once;
         with it, slots >= pure_draft_prefix_len add the GRU-conditioned correction, one slot at a
@@ -381,6 +387,8 @@ class Drafter(nn.Module):
         cfg = self.config
         first_slot = 0 if cfg.shift_label else 1
         draft_hidden = hidden[:, first_slot:]  # [R, D, H]
+        if num_slots is not None:
+            draft_hidden = draft_hidden[:, :num_slots]
         base = self.base_logits(draft_hidden)  # [R, D, V]
         if not (self.use_head and cfg.has_head):
             ids, probs, dist, conf = pick_tokens(base, sampling)

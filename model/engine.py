@@ -165,6 +165,7 @@ class Engine:
         self._skip_drafting = 0  # steps left to decode without drafting, after drafting stopped paying
         self._no_gain_streak = 0
         self._pause_len = PAUSE_MIN  # doubles while probes keep finding that drafting does not pay
+        self._draft_width = 0  # slots drafted per step under the adaptive policy (set below)
         self.draft_forwards = 0  # steps that ran the drafter
         self.device = target.device
         block = 1
@@ -175,6 +176,7 @@ class Engine:
             self.drafter.use_head = mode == "domino"
             block = cfg.block_size
             self.num_drafts = cfg.num_drafts if max_drafts is None else min(max_drafts, cfg.num_drafts)
+            self._draft_width = self.num_drafts
             self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else 0
         else:
             # Training data generation records the target's features without a drafter.
@@ -433,15 +435,18 @@ class Engine:
         self._remove_rows(done)
         return outputs
 
-    def _propose(self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch) -> DraftResult:
-        """Draft one block per row (slots lo..). Subclasses may propose differently (tests' oracle)."""
+    def _propose(
+        self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+    ) -> DraftResult:
+        """Draft the first `num_slots` slots of one block per row (slots lo..). Subclasses may
+        propose differently (tests' oracle)."""
         assert self.drafter is not None and self.draft_cache is not None
         block = torch.full(
             (len(rows), self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
         )
         block[:, 0] = anchors
         hidden = self.drafter.forward_block(self.draft_cache, lo, block)
-        return self.drafter.draft(hidden, anchors, sampling)
+        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots)
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
@@ -449,19 +454,21 @@ class Engine:
         rows = self.rows[lo:hi]
         r = len(rows)
         dev = self.device
-        d = self.num_drafts
+        # A seeded request must choose the same alone or in a batch: never pause drafting under it,
+        # and always draft (and draw uniforms for) the full block.
+        any_seeded = any(row.params.seed is not None and row.params.temperature > 0 for row in rows)
+        full = any_seeded or self.draft_policy == "fixed"
+        d = self.num_drafts if full else self._draft_width
         uniforms = self._draw_uniforms(rows, 2 * d + 1)  # draft slots, acceptance tests, final token
         sampling = self._sampling_batch(rows, uniforms[:, :d])
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=dev)
 
         sampled_rows = ~sampling.greedy
         any_sampled = bool(sampled_rows.any())
-        # A seeded request must choose the same alone or in a batch: never pause drafting under it.
-        any_seeded = any(row.params.seed is not None and row.params.temperature > 0 for row in rows)
         t0 = time.perf_counter()
         draft = None
         if d > 0 and (self._skip_drafting == 0 or any_seeded):
-            draft = self._propose(lo, rows, anchors, sampling)
+            draft = self._propose(lo, rows, anchors, sampling, d)
             self.draft_forwards += 1
         elif self._skip_drafting > 0:
             self._skip_drafting -= 1
@@ -504,6 +511,13 @@ class Engine:
                 else:
                     self._no_gain_streak = 0
                     self._pause_len = PAUSE_MIN
+                # Draft only as many slots as the policy has lately used (logits and head steps
+                # for slots that are never verified are wasted): grow when all were used.
+                used = int(num_drafts.max())
+                if used >= d and self._draft_width < self.num_drafts:
+                    self._draft_width += 1
+                elif used <= d - 2 and not full:
+                    self._draft_width = max(1, self._draft_width - 1)
         k = int(num_drafts.max())
 
         tokens = anchors[:, None]

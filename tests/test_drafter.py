@@ -87,6 +87,18 @@ def test_batched_drafting_equals_each_row_alone() -> None:
     assert batched.tokens.shape == (3, drafter.config.num_drafts)
 
 
+def test_drafting_fewer_slots_gives_the_same_leading_drafts() -> None:
+    drafter = _bound(tiny_drafter())
+    feats, block = _context_and_blocks(drafter, [3, 11, 6], [5, 17, 99])
+    hidden, _ = _run_batch(drafter, feats, block)
+    full = drafter.draft(hidden, block[:, 0], _greedy(3))
+    for slots in (1, 2, drafter.config.num_drafts - 1):
+        part = drafter.draft(hidden, block[:, 0], _greedy(3), num_slots=slots)
+        assert part.tokens.shape == (3, slots)
+        assert part.tokens.tolist() == full.tokens[:, :slots].tolist()
+        torch.testing.assert_close(part.confidence, full.confidence[:, :slots])
+
+
 def test_block_attention_is_non_causal() -> None:
     drafter = _bound(tiny_drafter(use_mask_embedding=False))
     feats, block = _context_and_blocks(drafter, [4], [9])

@@ -83,8 +83,10 @@ class OracleEngine(Engine):
         self.continuations = continuations
         self.corrupt = set(corrupt)
 
-    def _propose(self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch) -> DraftResult:
-        d = self.num_drafts
+    def _propose(
+        self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+    ) -> DraftResult:
+        d = num_slots
         out = torch.zeros(len(rows), d, dtype=torch.long)
         for i, row in enumerate(rows):
             cont = self.continuations[row.request_id]
