@@ -454,7 +454,8 @@ def fit(args: argparse.Namespace) -> None:
         writer.writerow(["step", "loss", "loss_base", "loss_final", "acc", "lambda", "lr", "elapsed_s"])
     drafter.train()
     t0 = time.perf_counter() - (state.get("elapsed", 0.0) if resume else 0.0)
-    bar = tqdm(total=args.steps, initial=step, desc="fit", unit="step")
+    # Under a time budget the step count is open-ended: show the count and rate only.
+    bar = tqdm(total=None if args.time_budget_s else args.steps, initial=step, desc="fit", unit="step")
     stop_at = args.steps if args.stop_after is None else min(args.steps, step + args.stop_after)
     elapsed = time.perf_counter() - t0
 
