@@ -214,6 +214,25 @@ def warm_start(drafter: Drafter, target: TargetModel) -> None:
         drafter.norm.weight.copy_(target.decoder.norm.weight)
 
 
+def rebuild_draft_vocab(drafter: Drafter, counts: torch.Tensor) -> None:
+    """Make the draft vocabulary the most frequent tokens of `counts` [Vt]. The base logits borrow
+    the target's LM-head rows, so any token set works at once; the head's learned correction rows
+    are kept for tokens in both sets, and new tokens start with none."""
+    size = drafter.config.draft_vocab_size
+    assert size is not None
+    new_ids = counts.argsort(descending=True, stable=True)[:size].sort().values
+    with torch.no_grad():
+        if drafter.config.has_head:
+            weight = drafter.embed_proj[2].weight  # [V_draft, rank]
+            old_row = torch.full((counts.numel(),), -1, dtype=torch.long)
+            old_row[drafter.draft_vocab_ids.cpu()] = torch.arange(size)
+            src = old_row[new_ids].to(weight.device)
+            remapped = torch.zeros_like(weight)
+            remapped[src >= 0] = weight[src[src >= 0]]
+            weight.copy_(remapped)
+        drafter.draft_vocab_ids.copy_(new_ids.to(drafter.draft_vocab_ids.device))
+
+
 def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
     tcfg = target.config
     taps = (
@@ -383,11 +402,7 @@ def fit(args: argparse.Namespace) -> None:
     elif args.init_from:
         drafter = load_drafter(args.init_from, dtype=torch.float32, target_config=model.config)
     else:
-        vocab_size = None
-        if args.draft_vocab:
-            every_token = torch.tensor([t for seq in sequences for t in seq])
-            counts = torch.bincount(every_token, minlength=target.vocab_size)
-            vocab_size = min(args.draft_vocab, target.vocab_size)
+        vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))
         # Published-style init for the head; norms at one.
         for name, p in drafter.named_parameters():
@@ -395,12 +410,11 @@ def fit(args: argparse.Namespace) -> None:
                 torch.nn.init.normal_(p, std=0.02)
             elif "norm" in name or name == "mask_embedding":
                 torch.nn.init.ones_(p) if "norm" in name else torch.nn.init.normal_(p, std=0.02)
-        if vocab_size is not None:
-            with torch.no_grad():
-                keep = counts.argsort(descending=True)[:vocab_size].sort().values
-                drafter.draft_vocab_ids.copy_(keep)
         if args.warm_start:
             warm_start(drafter, target)
+    if drafter.config.draft_vocab_size is not None and not resume and (args.rebuild_vocab or not args.init_from):
+        counts = torch.bincount(torch.tensor([t for seq in sequences for t in seq]), minlength=target.vocab_size)
+        rebuild_draft_vocab(drafter, counts)
     cfg = drafter.config
     drafter.to(device)
     drafter.bind_target(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
@@ -652,6 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--shift-label", action=argparse.BooleanOptionalAction, default=True)
     f.add_argument("--mask-token-id", type=int, default=None, help="default: a learned mask embedding")
     f.add_argument("--draft-vocab", type=int, default=8192, help="0: full vocabulary")
+    f.add_argument(
+        "--rebuild-vocab", action="store_true", help="with --init-from: re-pick the draft vocabulary from this data"
+    )
     f.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True)
     f.add_argument("--steps", type=int, default=2000)
     f.add_argument("--batch-seqs", type=int, default=4)

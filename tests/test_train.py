@@ -19,6 +19,7 @@ from model.train import (
     lr_schedule,
     main,
     read_shards,
+    rebuild_draft_vocab,
     training_loss,
     training_progress,
 )
@@ -224,3 +225,19 @@ def test_target_model_wrapper_is_reused(tiny_target_dir: Path) -> None:
 
     t = TargetModel(AutoModelForCausalLM.from_pretrained(tiny_target_dir))
     assert t.num_layers >= 2 and t.vocab_size > 100
+
+
+def test_rebuild_draft_vocab_keeps_learned_rows_of_kept_tokens() -> None:
+    from tests.helpers import tiny_drafter
+
+    drafter = tiny_drafter(vocab=64, draft_vocab_size=8)
+    with torch.no_grad():
+        drafter.draft_vocab_ids.copy_(torch.arange(8))  # tokens 0..7
+        drafter.embed_proj[2].weight.copy_(torch.arange(8, dtype=torch.float32)[:, None] + 1)
+    counts = torch.zeros(64, dtype=torch.long)
+    counts[[3, 5, 40, 41, 42, 43, 44, 45]] = 10  # keeps 3 and 5, adds six new tokens
+    counts[7] = 1  # rarer than all of those: dropped
+    rebuild_draft_vocab(drafter, counts)
+    assert drafter.draft_vocab_ids.tolist() == [3, 5, 40, 41, 42, 43, 44, 45]
+    rows = drafter.embed_proj[2].weight[:, 0].tolist()
+    assert rows == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
