@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-BUDGET_S=${BUDGET_S:-4000}  # wall-time budget per drafter; the schedules follow it
+BUDGET_S=${BUDGET_S:-2300}  # wall-time budget per drafter; the schedules follow it
 DATA=data/smollm2-135m-instruct
 TAPS=4,15,28
 
@@ -21,13 +21,13 @@ common=(--data $DATA --taps $TAPS --layers 1 --block-size 8 --gru-size 256 --ran
 # INIT=1 (default) continues from the committed drafters, so compute accumulates across runs.
 init_domino=() init_dflash=()
 if [ "${INIT:-1}" = 1 ]; then
-  init_domino=(--init-from models/smollm2-135m-domino --restart)
-  init_dflash=(--init-from models/smollm2-135m-dflash --restart)
+  init_domino=(--init-from models/smollm2-135m-domino --rebuild-vocab --restart)
+  init_dflash=(--init-from models/smollm2-135m-dflash --rebuild-vocab --restart)
 fi
 $PY -m model.train fit "${common[@]}" "${init_domino[@]}" \
-  --out runs/domino-v2 --run-dir runs/run-domino-v2 > runs/domino-v2.log 2>&1
+  --out runs/domino-next --run-dir runs/run-domino-next > runs/domino-next.log 2>&1
 [ "${DFLASH:-0}" = 1 ] && $PY -m model.train fit "${common[@]}" "${init_dflash[@]}" --no-head \
-  --out runs/dflash-v2 --run-dir runs/run-dflash-v2 > runs/dflash-v2.log 2>&1
+  --out runs/dflash-next --run-dir runs/run-dflash-next > runs/dflash-next.log 2>&1
 
-$PY -m model.train eval --drafter runs/domino-v2 --modes domino,dflash --json runs/domino-v2/eval.json
-echo "inspect runs/domino-v2/eval.json, then copy runs/domino-v2 to models/smollm2-135m-domino"
+$PY -m model.train eval --drafter runs/domino-next --modes domino,dflash --json runs/domino-next/eval.json
+echo "compare runs/domino-next/eval.json with models/smollm2-135m-domino/eval.json; copy if better"
