@@ -498,7 +498,8 @@ class Engine:
                     # Greedy rows may use the padded width for free.
                     width = torch.full_like(budget, int(num_drafts.max()))
                     num_drafts = torch.where(sampled_rows, num_drafts, torch.minimum(width, budget))
-                if int(num_drafts.max()) == 0:
+                used = int(num_drafts.max())
+                if used == 0:
                     # Speculation did not pay for several steps running: decode plainly for a while.
                     # (A decision from past steps only, so it is lossless for sampling rows too.)
                     # The first pause needs 3 such steps; a probe after a pause needs one, and
@@ -513,7 +514,6 @@ class Engine:
                     self._pause_len = PAUSE_MIN
                 # Draft only as many slots as the policy has lately used (logits and head steps
                 # for slots that are never verified are wasted): grow when all were used.
-                used = int(num_drafts.max())
                 if used >= d and self._draft_width < self.num_drafts:
                     self._draft_width += 1
                 elif used <= d - 2 and not full:

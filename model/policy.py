@@ -122,8 +122,8 @@ class AcceptanceCalibration:
 
     def calibrate(self, confidence: torch.Tensor) -> torch.Tensor:
         """Estimated acceptance probability for each confidence (same shape and device)."""
-        b = self._bin(confidence.cpu())
         raw = confidence.cpu().double()
+        b = self._bin(raw)
         rate = (self.accepted[b] + self.prior_weight * raw) / (self.reached[b] + self.prior_weight)
         return rate.to(device=confidence.device, dtype=confidence.dtype)
 

@@ -104,7 +104,11 @@ def gen(args: argparse.Namespace) -> None:
     todo = [k for k in range(args.first_shard, num_shards) if not _shard_path(out, k).exists()]
     log.info("%d train prompts, %d shards of %d, %d to do", len(prompts), num_shards, args.shard_size, len(todo))
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    bar = tqdm(total=sum(min(args.shard_size, total - k * args.shard_size) for k in todo), desc="gen", unit="answer")
+
+    def shard_prompts(k: int) -> int:
+        return min(args.shard_size, total - k * args.shard_size)
+
+    bar = tqdm(total=sum(shard_prompts(k) for k in todo), desc="gen", unit="answer")
     started, last_shard_s = time.perf_counter(), 0.0
     for k in todo:
         t0 = time.perf_counter()
@@ -130,7 +134,7 @@ def gen(args: argparse.Namespace) -> None:
         os.replace(tmp, _shard_path(out, k))
         new_tokens = sum(len(r[0]) for r in results)
         last_shard_s = time.perf_counter() - t0
-        bar.update(min(args.shard_size, total - k * args.shard_size))
+        bar.update(shard_prompts(k))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
 
@@ -426,28 +430,24 @@ def fit(args: argparse.Namespace) -> None:
         log.info("draft vocabulary %d covers %.4f of answer tokens", cfg.draft_vocab_size, covered / answer_tokens)
         vocab_map = vocab_map.to(device)
 
-    stored = read_shards(Path(args.data), cfg.target_layer_ids, Path(args.features_dir) if args.features_dir else None)
-    if args.max_samples:
-        stored = stored[: args.max_samples]
+    feats: list[torch.Tensor | None]
     if args.online_features:
-        stored = [{k: v for k, v in s.items() if k != "features"} for s in stored]
-    # gen recorded every position but the last (never context for an anchor); compute what's missing.
-    missing = [] if args.online_features else [i for i, s in enumerate(stored) if "features" not in s]
-    # Features stay on the training device (a GPU holds millions of positions; no per-step copies).
-    computed = dict(
-        zip(missing, compute_features(target, [sequences[i] for i in missing], cfg.target_layer_ids, out_device=device))
-    )
-    feats = [
-        None
-        if args.online_features
-        else computed[i]
-        if i in computed
-        else torch.cat([s["features"], torch.zeros_like(s["features"][:1])]).to(device)
-        for i, s in enumerate(stored)
-    ]
-    if args.online_features:
+        feats = [None] * len(samples)
         log.info("features: computed per batch (no stored copies)")
     else:
+        features_dir = Path(args.features_dir) if args.features_dir else None
+        stored = read_shards(Path(args.data), cfg.target_layer_ids, features_dir)
+        if args.max_samples:
+            stored = stored[: args.max_samples]
+        # gen recorded every position but the last (never context for an anchor); compute what's missing.
+        missing = [i for i, s in enumerate(stored) if "features" not in s]
+        # Features stay on the training device (a GPU holds millions of positions; no per-step copies).
+        computed = compute_features(target, [sequences[i] for i in missing], cfg.target_layer_ids, out_device=device)
+        by_index = dict(zip(missing, computed))
+        feats = [
+            by_index[i] if i in by_index else torch.cat([s["features"], torch.zeros_like(s["features"][:1])]).to(device)
+            for i, s in enumerate(stored)
+        ]
         log.info("features: %d stored by gen, %d computed", len(stored) - len(missing), len(missing))
     data = [(torch.tensor(seq), f, len(s["prompt"])) for seq, f, s in zip(sequences, feats, samples)]
 
