@@ -13,78 +13,83 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class Metrics:
+    """The attributes are the series of one model (labels bound once): cheaper per observation, and
+    every series exists (at 0) from the start, so rate() and ratios work before the first request."""
+
     def __init__(self, model_name: str, num_draft_positions: int, max_batch_size: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self._add_counters(num_draft_positions)
+        self._add_histograms(num_draft_positions, max_batch_size)
         r, name = self.registry, ["model_name"]
+        self.running = Gauge("domino_num_requests_running", "Requests in the running batch.", name, registry=r).labels(
+            model_name
+        )
+        self.waiting = Gauge(
+            "domino_num_requests_waiting", "Requests admitted but not yet running.", name, registry=r
+        ).labels(model_name)
 
-        def counter(metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(metric, doc, [*name, *extra], registry=r)
+    def _counter(self, metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(metric, doc, ["model_name", *extra], registry=self.registry)
 
-        def histogram(metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(metric, doc, name, buckets=buckets, registry=r)
+    def _histogram(self, metric: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(metric, doc, ["model_name"], buckets=buckets, registry=self.registry)
 
+    def _add_counters(self, num_draft_positions: int) -> None:
+        counter, m = self._counter, self.model_name
         # prometheus_client appends `_total` to counter names itself.
-        self.num_drafts = counter("domino_spec_decode_num_drafts", "Verify steps (one per running request per step).")
-        self.num_draft_tokens = counter("domino_spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.num_accepted_tokens = counter("domino_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = counter(
+        drafts = counter("domino_spec_decode_num_drafts", "Verify steps (one per running request per step).")
+        draft_tokens = counter("domino_spec_decode_num_draft_tokens", "Draft tokens verified.")
+        accepted = counter("domino_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._accepted_per_pos = counter(
             "domino_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.", ("position",)
         )
-        self.prompt_tokens = counter("domino_prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = counter("domino_generation_tokens", "Tokens generated (stop tokens included).")
-        self.request_success = counter(
-            "domino_request_success", "Finished requests by finish reason.", ("finished_reason",)
-        )
-        self.request_errors = counter("domino_request_errors", "Requests that failed during generation.")
+        prompt_tokens = counter("domino_prompt_tokens", "Prompt tokens prefilled.")
+        generation_tokens = counter("domino_generation_tokens", "Tokens generated (stop tokens included).")
+        success = counter("domino_request_success", "Finished requests by finish reason.", ("finished_reason",))
+        errors = counter("domino_request_errors", "Requests that failed during generation.")
+        self.num_drafts = drafts.labels(m)
+        self.num_draft_tokens = draft_tokens.labels(m)
+        self.num_accepted_tokens = accepted.labels(m)
+        self.accepted_per_position = [self._accepted_per_pos.labels(m, str(p)) for p in range(num_draft_positions)]
+        self.prompt_tokens = prompt_tokens.labels(m)
+        self.generation_tokens = generation_tokens.labels(m)
+        self.request_success = {reason: success.labels(m, reason) for reason in ("stop", "length", "abort")}
+        self.request_errors = errors.labels(m)
 
-        self.acceptance_length = histogram(
+    def _add_histograms(self, num_draft_positions: int, max_batch_size: int) -> None:
+        histogram, m = self._histogram, self.model_name
+        acceptance_length = histogram(
             "domino_acceptance_length",
             "Tokens committed per verify step per request (accepted drafts + 1).",
             tuple(float(b) for b in range(1, num_draft_positions + 2)),
         )
-        self.ttft = histogram("domino_time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
-        self.itl = histogram(
+        ttft = histogram("domino_time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        itl = histogram(
             "domino_inter_token_latency_seconds",
             "Gap between token deliveries, divided by the tokens delivered together.",
             LATENCY_BUCKETS,
         )
-        self.e2e = histogram("domino_e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS)
-        self.queue_time = histogram("domino_request_queue_time_seconds", "Arrival to prefill.", LATENCY_BUCKETS)
-        self.batch_size = histogram(
+        e2e = histogram("domino_e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS)
+        queue_time = histogram("domino_request_queue_time_seconds", "Arrival to prefill.", LATENCY_BUCKETS)
+        batch_size = histogram(
             "domino_batch_size",
             "Requests verified together per decode step.",
             tuple(float(b) for b in sorted({1, 2, 4, 8, 16, 32, 64, 128, max_batch_size}) if b <= max_batch_size),
         )
-        self.draft_seconds = histogram("domino_draft_step_seconds", "Drafting time per decode step.", STEP_BUCKETS)
-        self.verify_seconds = histogram(
-            "domino_verify_step_seconds", "Target verify time per decode step.", STEP_BUCKETS
-        )
-        self.running = Gauge("domino_num_requests_running", "Requests in the running batch.", name, registry=r)
-        self.waiting = Gauge("domino_num_requests_waiting", "Requests admitted but not yet running.", name, registry=r)
-
-        # Bind labels once: cheaper per observation, and every series exists (at 0) from the start,
-        # so rate() and ratios work before the first request.
-        self.model_name = m = model_name
-        self.c_num_drafts = self.num_drafts.labels(m)
-        self.c_draft_tokens = self.num_draft_tokens.labels(m)
-        self.c_accepted = self.num_accepted_tokens.labels(m)
-        self.c_accepted_pos = [self.accepted_per_pos.labels(m, str(p)) for p in range(num_draft_positions)]
-        self.c_prompt_tokens = self.prompt_tokens.labels(m)
-        self.c_generation_tokens = self.generation_tokens.labels(m)
-        self.c_success = {reason: self.request_success.labels(m, reason) for reason in ("stop", "length", "abort")}
-        self.c_errors = self.request_errors.labels(m)
-        self.h_acceptance = self.acceptance_length.labels(m)
-        self.h_ttft = self.ttft.labels(m)
-        self.h_itl = self.itl.labels(m)
-        self.h_e2e = self.e2e.labels(m)
-        self.h_queue = self.queue_time.labels(m)
-        self.h_batch = self.batch_size.labels(m)
-        self.h_draft = self.draft_seconds.labels(m)
-        self.h_verify = self.verify_seconds.labels(m)
-        self.g_running = self.running.labels(m)
-        self.g_waiting = self.waiting.labels(m)
+        draft_seconds = histogram("domino_draft_step_seconds", "Drafting time per decode step.", STEP_BUCKETS)
+        verify_seconds = histogram("domino_verify_step_seconds", "Target verify time per decode step.", STEP_BUCKETS)
+        self.acceptance_length = acceptance_length.labels(m)
+        self.time_to_first_token = ttft.labels(m)
+        self.inter_token_latency = itl.labels(m)
+        self.e2e_latency = e2e.labels(m)
+        self.queue_time = queue_time.labels(m)
+        self.batch_size = batch_size.labels(m)
+        self.draft_seconds = draft_seconds.labels(m)
+        self.verify_seconds = verify_seconds.labels(m)
 
     def accepted_position(self, position: int) -> Counter:
-        while position >= len(self.c_accepted_pos):  # a drafter proposing more than announced
-            self.c_accepted_pos.append(self.accepted_per_pos.labels(self.model_name, str(len(self.c_accepted_pos))))
-        return self.c_accepted_pos[position]
+        while position >= len(self.accepted_per_position):  # a drafter proposing more than announced
+            label = str(len(self.accepted_per_position))
+            self.accepted_per_position.append(self._accepted_per_pos.labels(self.model_name, label))
+        return self.accepted_per_position[position]

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from model.engine import SamplingParams
+
 MAX_LOGPROBS = 5  # top alternatives per token, as OpenAI allows for completions
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
@@ -54,6 +56,19 @@ class SamplingFields(_Request):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice; `seed_offset` gives each of the n choices its own seed."""
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None or self.top_k < 0 else self.top_k,
+            seed=self.seed + seed_offset if self.seed is not None else None,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
 
 
 class CompletionRequest(SamplingFields):

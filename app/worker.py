@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from app.detokenize import IncrementalDetokenizer, StopMatcher
@@ -220,8 +220,6 @@ class _SeqState:
 class _Command:
     kind: str  # "add" | "abort" | "fail_all" | "stop"
     handle: RequestHandle | None = None
-    loop_done: Callable[[], None] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EngineWorker:
@@ -410,10 +408,10 @@ class EngineWorker:
         timing = self.engine.last_timing
         # A step that only dropped aborted rows leaves the previous timing in place: skip it.
         if timing is not None and timing is not previous and timing.kind == "decode":
-            m.h_batch.observe(timing.batch_size)
+            m.batch_size.observe(timing.batch_size)
             if timing.num_drafts > 0:  # steps that drafted (the adaptive policy may pause drafting)
-                m.h_draft.observe(timing.draft_seconds)
-            m.h_verify.observe(timing.verify_seconds)
+                m.draft_seconds.observe(timing.draft_seconds)
+            m.verify_seconds.observe(timing.verify_seconds)
         batch: list[tuple[RequestHandle, SeqEvent]] = []
         for out in outputs:
             state = self.states.get(out.request_id)
@@ -428,7 +426,7 @@ class EngineWorker:
                 event = SeqEvent(
                     state.spec.index, finish_reason="error", error=f"{type(exc).__name__}: {exc}", stats=_stats(out)
                 )
-                m.c_errors.inc()
+                m.request_errors.inc()
             if event.finish_reason is not None:
                 state.done = True
                 del self.states[out.request_id]
@@ -441,24 +439,24 @@ class EngineWorker:
         n_new = len(out.new_token_ids)
         if state.last_token_time is None and out.finish_reason not in ("abort", "error"):
             # First output of a sequence comes from its prefill step.
-            m.h_queue.observe(max(0.0, t0 - state.arrival))
-            m.h_ttft.observe(t1 - state.arrival)
-            m.c_prompt_tokens.inc(len(state.spec.prompt_ids))
+            m.queue_time.observe(max(0.0, t0 - state.arrival))
+            m.time_to_first_token.observe(t1 - state.arrival)
+            m.prompt_tokens.inc(len(state.spec.prompt_ids))
         elif n_new and state.last_token_time is not None:
             gap = (t1 - state.last_token_time) / n_new
             for _ in range(n_new):
-                m.h_itl.observe(gap)
+                m.inter_token_latency.observe(gap)
         if n_new:
             state.last_token_time = t1
-            m.c_generation_tokens.inc(n_new)
+            m.generation_tokens.inc(n_new)
         if out.is_verify_step:
             accepted = len(out.step_accepted)
-            m.c_num_drafts.inc()
-            m.c_draft_tokens.inc(out.step_draft_tokens)
-            m.c_accepted.inc(accepted)
+            m.num_drafts.inc()
+            m.num_draft_tokens.inc(out.step_draft_tokens)
+            m.num_accepted_tokens.inc(accepted)
             for pos in out.step_accepted:
                 m.accepted_position(pos).inc()
-            m.h_acceptance.observe(accepted + 1)
+            m.acceptance_length.observe(accepted + 1)
 
         text, logprobs, stop_hit = state.processor.process(out)
         finish = out.finish_reason
@@ -470,11 +468,11 @@ class EngineWorker:
         event = SeqEvent(state.spec.index, text, n_new, logprobs, finish, error=out.error)
         if finish is not None:
             event.stats = _stats(out)
-            m.h_e2e.observe(t1 - state.arrival)
+            m.e2e_latency.observe(t1 - state.arrival)
             if finish == "error":
-                m.c_errors.inc()
+                m.request_errors.inc()
             else:
-                m.c_success[finish].inc()
+                m.request_success[finish].inc()
         return event
 
     def _fail_all(self, message: str, unavailable: bool = True) -> None:
@@ -487,14 +485,14 @@ class EngineWorker:
                 pass
             event = SeqEvent(state.spec.index, finish_reason="error", error=message, unavailable=unavailable)
             batch.append((state.handle, event))
-            self.metrics.c_errors.inc()
+            self.metrics.request_errors.inc()
             del self.states[rid]
         if batch:
             self._post(self._deliver, batch)
 
     def _update_gauges(self) -> None:
-        self.metrics.g_running.set(self.engine.num_running)
-        self.metrics.g_waiting.set(self.engine.num_waiting)
+        self.metrics.running.set(self.engine.num_running)
+        self.metrics.waiting.set(self.engine.num_waiting)
 
 
 def _stats(out: RequestOutput) -> SpecStats:

@@ -1,0 +1,216 @@
+"""Turning a request's worker events into a response, written once for both endpoints.
+
+`collect` + `ChoiceResult` build a JSON body; `stream_events` is the one SSE loop (accumulating
+statistics and usage, ending with an error event or the usage tail and `[DONE]`). The endpoint only
+says how one event becomes its chunk type (`StreamFormat`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from app.errors import generation_error
+from app.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    SpecDecodeStats,
+    TopLogprob,
+    Usage,
+)
+from app.service import Service
+from app.worker import LogprobEntry, RequestHandle, SeqEvent, SpecStats
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "data: [DONE]\n\n"
+
+
+# -- pieces of responses ----------------------------------------------------------------------------
+
+
+def spec_decode_field(stats: SpecStats) -> SpecDecodeStats:
+    return SpecDecodeStats(
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        mean_acceptance_length=stats.mean_acceptance_length,
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def completion_logprobs(entries: Sequence[LogprobEntry], offset: int) -> tuple[CompletionLogprobs, int]:
+    """Logprobs in the completions shape, text offsets counted from `offset`; returns the next offset."""
+    lp = CompletionLogprobs()
+    for e in entries:
+        lp.tokens.append(e.token.text)
+        lp.token_logprobs.append(e.logprob)
+        lp.top_logprobs.append({t.text: v for t, v in e.top})
+        lp.text_offset.append(offset)
+        offset += len(e.token.text) if not e.token.text.startswith("bytes:") else 0
+    return lp, offset
+
+
+def chat_logprobs(entries: Sequence[LogprobEntry]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=e.token.text,
+                logprob=e.logprob,
+                bytes=e.token.bytes,
+                top_logprobs=[TopLogprob(token=t.text, logprob=v, bytes=t.bytes) for t, v in e.top],
+            )
+            for e in entries
+        ]
+    )
+
+
+def sse(payload: BaseModel | dict[str, Any], omit_none: tuple[str, ...] = ()) -> str:
+    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+    for key in omit_none:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# -- whole responses --------------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed response."""
+
+    text: str
+    logprobs: list[LogprobEntry]
+    finish_reason: str | None
+    stats: SpecStats
+    num_tokens: int  # tokens generated (a stop token included)
+
+    @classmethod
+    def from_events(cls, events: list[SeqEvent]) -> ChoiceResult:
+        last = events[-1]
+        if last.finish_reason == "error":
+            raise generation_error(last)
+        return cls(
+            text="".join(e.text for e in events),
+            logprobs=[x for e in events if e.logprobs for x in e.logprobs],
+            finish_reason=last.finish_reason,
+            stats=last.stats or SpecStats(),
+            num_tokens=sum(e.num_tokens for e in events),
+        )
+
+
+def totals(results: Sequence[ChoiceResult]) -> tuple[SpecStats, int]:
+    """(statistics summed over the choices, completion tokens)."""
+    stats = SpecStats()
+    for r in results:
+        stats += r.stats
+    return stats, sum(r.num_tokens for r in results)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(request: Request, service: Service, handle: RequestHandle) -> list[ChoiceResult] | None:
+    """Every choice's result, in index order; None when the client went away first (its request is
+    aborted). A failed choice raises its APIError."""
+    per_choice: list[list[SeqEvent]] = [[] for _ in handle.specs]
+
+    async def gather() -> None:
+        finished = 0
+        while finished < len(handle.specs):
+            event = await handle.events.get()
+            per_choice[event.index].append(event)
+            if event.finish_reason is not None:
+                finished += 1
+
+    gather_task = asyncio.ensure_future(gather())
+    watch_task = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({gather_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not gather_task.done():
+            gather_task.cancel()
+            service.worker.abort(handle)
+    if not gather_task.done() or gather_task.cancelled():
+        return None
+    gather_task.result()
+    return [ChoiceResult.from_events(events) for events in per_choice]
+
+
+# -- streams ----------------------------------------------------------------------------------------
+
+
+class StreamFormat(Protocol):
+    """How one endpoint renders its SSE chunks."""
+
+    def opening(self, num_choices: int) -> list[str]:
+        """Chunks sent before any event."""
+        ...
+
+    def event(self, event: SeqEvent, spec: SpecDecodeStats | None) -> str | None:
+        """The chunk for one event (None: nothing to send). `spec` is set on the last event of the
+        request when no usage tail follows."""
+        ...
+
+    def tail(self, usage: Usage, spec: SpecDecodeStats) -> str:
+        """The final chunk with usage (stream_options.include_usage)."""
+        ...
+
+
+async def stream_events(
+    service: Service, handle: RequestHandle, fmt: StreamFormat, prompt_tokens: int, include_usage: bool
+) -> AsyncIterator[str]:
+    """The SSE body: the endpoint's chunks, then the usage tail (if asked) and [DONE]; a failed choice
+    ends the stream with an error event. Whatever still runs is aborted when the stream ends or the
+    client goes away (this generator is then cancelled)."""
+    total, completion_tokens, finished = SpecStats(), 0, 0
+    num_choices = len(handle.specs)
+    try:
+        for chunk in fmt.opening(num_choices):
+            yield chunk
+        while finished < num_choices:
+            event = await handle.events.get()
+            completion_tokens += event.num_tokens
+            if event.finish_reason == "error":
+                service.worker.abort(handle)
+                yield sse(generation_error(event).body())
+                yield DONE
+                return
+            spec = None
+            if event.finish_reason is not None:
+                finished += 1
+                total += event.stats or SpecStats()
+                if finished == num_choices and not include_usage:
+                    spec = spec_decode_field(total)
+            chunk = fmt.event(event, spec)
+            if chunk is not None:
+                yield chunk
+        if include_usage:
+            yield fmt.tail(usage(prompt_tokens, completion_tokens), spec_decode_field(total))
+        yield DONE
+    finally:
+        service.worker.abort(handle)  # a no-op when everything finished
+
+
+def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)

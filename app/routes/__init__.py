@@ -1,0 +1,1 @@
+"""One router per route group: completions, chat, models, ops (health, metrics)."""

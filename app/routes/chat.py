@@ -1,0 +1,109 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.deps import ServiceDep
+from app.errors import bad_request
+from app.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaMessage,
+    SpecDecodeStats,
+    Usage,
+    new_id,
+    now,
+)
+from app.responses import chat_logprobs, collect, spec_decode_field, sse, sse_response, stream_events, totals, usage
+from app.service import Prompt
+from app.worker import SeqEvent
+
+router = APIRouter()
+
+
+class ChatStream:
+    """SSE chunks of /v1/chat/completions: deltas carry only the keys that changed."""
+
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool) -> None:
+        self.rid, self.created, self.model = rid, created, model
+        # With include_usage every chunk carries "usage": null, as OpenAI's do.
+        self.omit: tuple[str, ...] = ("spec_decode",) if include_usage else ("usage", "spec_decode")
+
+    def _chunk(self, choices: list[ChatStreamChoice], spec: SpecDecodeStats | None, totals: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=choices, usage=totals, spec_decode=spec
+        )
+        data = chunk.model_dump(mode="json")
+        for choice in data["choices"]:  # OpenAI deltas carry only the keys that changed
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return sse(data, omit_none=self.omit)
+
+    def opening(self, num_choices: int) -> list[str]:
+        # OpenAI opens every choice with the assistant role and empty content.
+        delta = DeltaMessage(role="assistant", content="")
+        return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None) for i in range(num_choices)]
+
+    def event(self, event: SeqEvent, spec: SpecDecodeStats | None) -> str | None:
+        if not event.text and event.finish_reason is None and not event.logprobs:
+            return None
+        delta = DeltaMessage(content=event.text) if event.text else DeltaMessage()
+        logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
+        choice = ChatStreamChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=event.finish_reason)
+        return self._chunk([choice], spec)
+
+    def tail(self, totals: Usage, spec: SpecDecodeStats) -> str:
+        return self._chunk([], spec, totals)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: ServiceDep) -> Response:
+    service.check_model(body.model)
+    n = service.check_counts(body, 1)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    ids = await asyncio.to_thread(service.render_chat, body)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    # Without a limit the answer may use the rest of the context (at least one token).
+    max_tokens = requested if requested is not None else max(1, service.max_model_len - len(ids))
+    prompt = Prompt(ids, None)
+    service.check_prompt(prompt, max_tokens, "messages", tokens_param)
+    handle = await service.submit(service.specs(body, [(prompt, max_tokens)], n, logprobs))
+    rid, created = new_id("chatcmpl"), now()
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        fmt = ChatStream(rid, created, service.model_name, include_usage)
+        return sse_response(stream_events(service, handle, fmt, len(ids), include_usage))
+
+    results = await collect(request, service, handle)
+    if results is None:
+        return Response(status_code=499)
+    choices = [
+        ChatChoice(
+            index=index,
+            message=ChatMessageOut(content=result.text),
+            logprobs=chat_logprobs(result.logprobs) if logprobs is not None else None,
+            finish_reason=result.finish_reason,
+        )
+        for index, result in enumerate(results)
+    ]
+    stats, completion_tokens = totals(results)
+    resp = ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=service.model_name,
+        choices=choices,
+        usage=usage(len(ids), completion_tokens),
+        spec_decode=spec_decode_field(stats),
+    )
+    return JSONResponse(resp.model_dump(mode="json"))

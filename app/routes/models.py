@@ -1,0 +1,26 @@
+"""GET /v1/models and /v1/models/{id}."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.deps import ServiceDep
+from app.protocol import ModelCard, ModelList
+from app.service import Service
+
+router = APIRouter()
+
+
+def _card(service: Service) -> ModelCard:
+    return ModelCard(id=service.model_name, created=service.created, max_model_len=service.max_model_len)
+
+
+@router.get("/v1/models")
+async def models(service: ServiceDep) -> ModelList:
+    return ModelList(data=[_card(service)])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, service: ServiceDep) -> ModelCard:
+    service.check_model(model_id)
+    return _card(service)

@@ -1,0 +1,167 @@
+"""`Service`: the one place that owns the engine (through its worker), the tokenizer and the
+metrics, with the deployment-dependent checks every route applies."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import APIError, bad_request
+from app.metrics import Metrics
+from app.protocol import ChatCompletionRequest, SamplingFields
+from app.settings import Settings
+from app.worker import EngineWorker, Overloaded, RequestHandle, SequenceSpec, Unavailable
+from model.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Keys of chat_template_kwargs that would clash with our own call to apply_chat_template.
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "messages",
+    "tokenize",
+    "return_dict",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+}
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str | None  # the prompt as text, when the client sent text (echo)
+
+
+class Service:
+    """Owns the engine (through its worker), the tokenizer and the metrics."""
+
+    def __init__(self, settings: Settings, engine: Engine, tokenizer: Any) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = settings.model_name
+        self.created = int(time.time())
+        self.vocab_size = engine.target.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.metrics = Metrics(self.model_name, engine.num_drafts, engine.max_batch_size)
+        self.worker = EngineWorker(engine, tokenizer, self.metrics, settings.max_waiting)
+
+    @property
+    def capacity(self) -> int:
+        return self.worker.capacity
+
+    # -- validation --------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist (this server serves '{self.model_name}').",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_counts(self, body: SamplingFields, num_prompts: int) -> int:
+        """Deployment limits on n, stops and the sequences a request needs; returns n."""
+        n = body.n if body.n is not None else 1
+        if n > self.settings.max_n:
+            raise bad_request(f"n: must be at most {self.settings.max_n}, got {n}", param="n")
+        if len(body.stop_list) > self.settings.max_stop:
+            raise bad_request(
+                f"stop: at most {self.settings.max_stop} stop strings, got {len(body.stop_list)}", param="stop"
+            )
+        stop_ids = body.stop_token_ids or []
+        if len(stop_ids) > self.settings.max_stop:
+            raise bad_request(
+                f"stop_token_ids: at most {self.settings.max_stop} ids, got {len(stop_ids)}", param="stop_token_ids"
+            )
+        bad = [t for t in stop_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"stop_token_ids: {bad[:5]} outside the vocabulary (size {self.vocab_size})", param="stop_token_ids"
+            )
+        if n * num_prompts > self.capacity:
+            raise bad_request(
+                f"the request needs {n * num_prompts} sequences (n x prompts) but the server admits at most "
+                f"{self.capacity} at a time",
+                param="n",
+            )
+        return n
+
+    def check_prompt(self, prompt: Prompt, max_tokens: int, param: str, tokens_param: str) -> None:
+        if not prompt.ids:
+            raise bad_request(f"{param}: the prompt is empty (it encodes to no tokens)", param=param)
+        bad = [t for t in prompt.ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"{param}: token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})", param=param
+            )
+        total = len(prompt.ids) + max_tokens
+        if total > self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt.ids)} in the {param}, {max_tokens} for the completion). "
+                f"Please reduce the length of the {param} or {tokens_param}.",
+                param=param if len(prompt.ids) >= self.max_model_len else tokens_param,
+                code="context_length_exceeded",
+            )
+
+    # -- admission ---------------------------------------------------------------------------------
+    def specs(
+        self, body: SamplingFields, prompts: list[tuple[Prompt, int]], n: int, logprobs: int | None
+    ) -> list[SequenceSpec]:
+        """Choice index = prompt index * n + sample index (OpenAI's order); seeds advance per sample."""
+        out = []
+        for pi, (prompt, max_tokens) in enumerate(prompts):
+            for j in range(n):
+                params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
+                out.append(SequenceSpec(pi * n + j, prompt.ids, params, tuple(body.stop_list)))
+        return out
+
+    async def submit(self, specs: list[SequenceSpec]) -> RequestHandle:
+        try:
+            return await self.worker.submit(specs)
+        except Overloaded as exc:
+            raise APIError(
+                429, str(exc), "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+            ) from None
+        except Unavailable as exc:
+            raise APIError(
+                503, str(exc), "server_error", code="service_unavailable", headers={"Retry-After": "5"}
+            ) from None
+        except ValueError as exc:  # the engine's own checks (bad params, context length)
+            raise bad_request(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. an engine bug while adding
+            log.exception("admission failed")
+            raise APIError(500, f"could not admit the request ({type(exc).__name__}: {exc})", "server_error") from None
+
+    # -- tokenization (call off the event loop) ------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("messages: this model has no chat template; use /v1/completions", param="messages")
+        messages = []
+        for m in body.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's messages' fault
+            raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
+        if not isinstance(text, str):
+            raise bad_request("messages: the chat template did not render text", param="messages")
+        # The template already wrote any BOS/special tokens it wants.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
