@@ -33,7 +33,7 @@ from model.loading import (
     load_target,
 )
 from model.target import TargetModel
-from model.train import load_prompt_file
+from model.prompts import load_prompt_file
 
 ALL_MODES = ("hf-generate", "hf-prompt-lookup", "ar", "dflash", "domino", "domino-head-off")
 

@@ -47,7 +47,7 @@ from model.engine import Engine, SamplingParams
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 
-# Qwen/Qwen3-8B config.json (text part) and Huang2020/Qwen3-8B-Domino-b16 (DESIGN §1.6, §2).
+# Qwen/Qwen3-8B config.json (text part) and Huang2020/Qwen3-8B-Domino-b16 (the published configs; docs/design.md §2).
 QWEN3_8B = {
     "num_hidden_layers": 36,
     "hidden_size": 4096,

@@ -1,6 +1,6 @@
 """Drafter checkpoints: `config.json` + `model.safetensors` in the published DFlash / Domino layouts.
 
-Published layouts (DESIGN §2): plain DFlash (`shift_label` absent or false, B - 1 drafts) and
+Published layouts (docs/design.md §2): plain DFlash (`shift_label` absent or false, B - 1 drafts) and
 Domino (`projector_type: "domino"`, `shift_label: true`, B drafts). Keys have no prefix, but a
 `model.` prefix is accepted; `block_size` may sit at the top level or in `dflash_config`.
 
@@ -10,6 +10,8 @@ Our extensions, both optional and stored in the same two files:
 - `use_mask_embedding: true` in `dflash_config` plus a `mask_embedding [H]` tensor: a learned
   embedding for the MASK slots, for targets whose vocabulary has no spare token to use as
   `mask_token_id` (then `mask_token_id` may be null).
+- `qk_norm: false` in `dflash_config`: the draft layers have no per-head q/k RMSNorm (and no
+  `q_norm`/`k_norm` tensors).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
         shift_label=bool(_lookup(raw, "shift_label", False)),
         draft_vocab_size=_lookup(raw, "draft_vocab_size"),
         use_mask_embedding=bool(_lookup(raw, "use_mask_embedding", False)),
+        qk_norm=bool(_lookup(raw, "qk_norm", True)),
         raw=copy.deepcopy(raw),
     )
     if cfg.block_size < 2:
@@ -145,6 +148,8 @@ def config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
         dflash["draft_vocab_size"] = cfg.draft_vocab_size
     if cfg.use_mask_embedding:
         dflash["use_mask_embedding"] = True
+    if not cfg.qk_norm:
+        dflash["qk_norm"] = False
     return raw
 
 

@@ -49,6 +49,9 @@ class DrafterConfig:
     # the `draft_vocab_ids` tensor, and a learned mask embedding used instead of `mask_token_id`.
     draft_vocab_size: int | None = None
     use_mask_embedding: bool = False
+    # Extension: `qk_norm: false` drops the per-head q/k RMSNorm (a drafter warm-started from a
+    # target layer without one, e.g. Llama's, keeps that layer's attention intact).
+    qk_norm: bool = True
     # Every other config.json field, kept so that save -> load round-trips.
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -67,7 +70,7 @@ class DrafterConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Taps spread over the target's depth (DESIGN §1.2)."""
+    """Taps spread over the target's depth (docs/design.md §1.2)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     step = (num_target_layers - 4) / (num_draft_layers - 1)
@@ -121,8 +124,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values [R, kv, T, hd] for inputs x [R, T, H].

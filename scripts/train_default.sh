@@ -13,7 +13,7 @@ DATA=data/smollm2-135m-instruct
 TAPS=4,15,28
 
 mkdir -p runs
-[ "${GEN:-0}" = 1 ] && $PY -m model.train gen --out $DATA --shard-size 1024 --batch-size 16
+[ "${GEN:-0}" = 1 ] && $PY -m train gen --out $DATA --shard-size 1024 --batch-size 16
 
 common=(--data $DATA --taps $TAPS --layers 1 --block-size 8 --gru-size 256 --rank 64 --draft-vocab 8192
         --batch-seqs 2 --anchors 192 --lr 6e-4 --steps 100000 --time-budget-s "$BUDGET_S" --save-every 25
@@ -24,10 +24,10 @@ if [ "${INIT:-1}" = 1 ]; then
   init_domino=(--init-from models/smollm2-135m-domino --rebuild-vocab --restart)
   init_dflash=(--init-from models/smollm2-135m-dflash --rebuild-vocab --restart)
 fi
-$PY -m model.train fit "${common[@]}" "${init_domino[@]}" \
+$PY -m train fit "${common[@]}" "${init_domino[@]}" \
   --out runs/domino-next --run-dir runs/run-domino-next > runs/domino-next.log 2>&1
-[ "${DFLASH:-0}" = 1 ] && $PY -m model.train fit "${common[@]}" "${init_dflash[@]}" --no-head \
+[ "${DFLASH:-0}" = 1 ] && $PY -m train fit "${common[@]}" "${init_dflash[@]}" --no-head \
   --out runs/dflash-next --run-dir runs/run-dflash-next > runs/dflash-next.log 2>&1
 
-$PY -m model.train eval --drafter runs/domino-next --modes domino,dflash --json runs/domino-next/eval.json
+$PY -m train eval --drafter runs/domino-next --modes domino,dflash --json runs/domino-next/eval.json
 echo "compare runs/domino-next/eval.json with models/smollm2-135m-domino/eval.json; copy if better"

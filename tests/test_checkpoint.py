@@ -17,7 +17,7 @@ H, KV, HEADS, HD, FF, V, G, R = 64, 2, 4, 16, 96, 128, 24, 8
 
 
 def _published_tensors(domino: bool, layers: int = 2, taps: int = 2, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Random weights under the exact published key names (DESIGN §2), in bf16 like the hub files."""
+    """Random weights under the exact published key names (docs/design.md §2), in bf16 like the hub files."""
     g = torch.Generator().manual_seed(0)
 
     def t(*shape: int) -> torch.Tensor:

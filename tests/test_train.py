@@ -7,23 +7,28 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from model.checkpoint import load_drafter
 from model.drafter import DraftContextCache
 from model.sampling import SamplingBatch
 from model.target import TargetModel
-from model.train import (
-    compute_features,
+from tests.helpers import tiny_drafter, tiny_target
+from train.cli import main
+from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
+from train.features import ShardFeatures, compute_features, shard_features_dir
+from train.init import rebuild_draft_vocab
+from train.loss import (
+    default_gamma,
     lambda_schedule,
     lr_schedule,
-    main,
-    read_shards,
-    rebuild_draft_vocab,
+    sample_batch,
+    soft_targets,
     training_loss,
     training_progress,
 )
-from tests.helpers import tiny_drafter, tiny_target
+from train.shards import read_shard, shard_paths
 
 
 def test_schedules() -> None:
@@ -64,17 +69,18 @@ def test_training_logits_equal_inference_logits() -> None:
 
         # The same block as a training sequence: context, anchor, then the drafts as ground truth.
         seq = torch.cat([context_ids, torch.tensor([anchor]), result.tokens[0]])[None]
-        out = training_loss(
-            drafter,
-            seq,
+        seq_feats = (
             feats[:, : seq.shape[1]]
             if feats.shape[1] >= seq.shape[1]
-            else torch.cat([feats, torch.zeros(1, seq.shape[1] - feats.shape[1], feats.shape[2])], 1),
-            torch.tensor([seq.shape[1]]),
-            torch.tensor([[ctx_len]]),
-            lam=0.0,
-            vocab_map=None,
+            else torch.cat([feats, torch.zeros(1, seq.shape[1] - feats.shape[1], feats.shape[2])], 1)
         )
+        batch = {
+            "ids": seq,
+            "feats": seq_feats,
+            "lengths": torch.tensor([seq.shape[1]]),
+            "anchors": torch.tensor([[ctx_len]]),
+        }
+        out = training_loss(drafter, batch, lam=0.0, vocab_map=None)
     torch.testing.assert_close(out["final_logits"][0, 0], result.logits[0], rtol=1e-4, atol=1e-4)
 
 
@@ -109,74 +115,53 @@ def _tau(target_dir: Path, drafter_dir: Path, prompts: Path, tmp: Path, name: st
     return json.loads(out.read_text())["domino"]["tau"]
 
 
+def _gen_args(target_dir: Path, prompts: Path, data: Path) -> list[str]:
+    return [
+        "gen",
+        "--target",
+        str(target_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(data),
+        "--shard-size",
+        "8",
+        "--batch-size",
+        "8",
+        "--max-new-tokens",
+        "32",
+    ]
+
+
 def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     vocab = AutoConfig.from_pretrained(tiny_target_dir).vocab_size
     prompts = tmp_path / "prompts.jsonl"
     _write_prompts(prompts, vocab)
     data = tmp_path / "data"
-    main(
-        [
-            "gen",
-            "--target",
-            str(tiny_target_dir),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(data),
-            "--shard-size",
-            "8",
-            "--batch-size",
-            "8",
-            "--max-new-tokens",
-            "32",
-            "--taps",
-            "2",
-        ]
-    )
-    samples = read_shards(data, taps=[2])
-    # Features recorded while generating equal a fresh full-sequence pass (fp16 storage).
-    from transformers import AutoModelForCausalLM
-
-    tm = TargetModel(AutoModelForCausalLM.from_pretrained(tiny_target_dir))
-    fresh = compute_features(tm, [s["prompt"] + s["answer"] for s in samples[:4]], [2])
-    for sample, ref in zip(samples[:4], fresh):
-        assert sample["features"].shape[0] == len(sample["prompt"]) + len(sample["answer"]) - 1
-        torch.testing.assert_close(sample["features"].float(), ref[:-1].float(), rtol=1e-2, atol=1e-2)
+    main(_gen_args(tiny_target_dir, prompts, data))
+    samples = [s for p in shard_paths(data) for s in read_shard(p)]
     assert len(samples) == 24 and all(len(s["answer"]) >= 1 for s in samples)
-    assert len(list(data.glob("shard-*.jsonl.gz"))) == 3
+    assert len(shard_paths(data)) == 3
     # Resumable: a second run finds every shard done and regenerates nothing.
     before = {p: p.stat().st_mtime_ns for p in data.glob("shard-*")}
-    main(
-        [
-            "gen",
-            "--target",
-            str(tiny_target_dir),
-            "--prompts",
-            str(prompts),
-            "--out",
-            str(data),
-            "--shard-size",
-            "8",
-            "--batch-size",
-            "8",
-            "--max-new-tokens",
-            "32",
-            "--taps",
-            "2",
-        ]
-    )
+    main(_gen_args(tiny_target_dir, prompts, data))
     assert before == {p: p.stat().st_mtime_ns for p in data.glob("shard-*")}
 
+    features = tmp_path / "features"
     common = [
         "fit",
         "--target",
         str(tiny_target_dir),
         "--data",
         str(data),
+        "--features-dir",
+        str(features),
         "--layers",
         "1",
+        "--taps",
+        "2",
         "--block-size",
         "4",
         "--gru-size",
@@ -195,9 +180,27 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
         "120",
         "--save-every",
         "40",
+        "--eval-every",
+        "40",
+        "--val-samples",
+        "4",
     ]
     untrained = tmp_path / "untrained"
     main([*common, "--out", str(untrained), "--run-dir", str(tmp_path / "run0"), "--stop-after", "0"])
+    # fit stored the features of every shard once; they equal a fresh full-sequence pass.
+    tm = TargetModel(AutoModelForCausalLM.from_pretrained(tiny_target_dir))
+    store = ShardFeatures.open(shard_features_dir(features, shard_paths(data)[0], [2]))
+    first = read_shard(shard_paths(data)[0])
+    fresh = compute_features(tm, [s["prompt"] + s["answer"] for s in first[:4]], [2], progress=False)
+    for row, (sample, ref) in enumerate(zip(first[:4], fresh)):
+        f, top_ids, top_logp = store.sequence(row)
+        assert f.shape[0] == len(sample["prompt"]) + len(sample["answer"])
+        torch.testing.assert_close(f.float(), ref.float(), rtol=1e-2, atol=1e-2)
+        # The stored top-1 of every answer position is the next answer token (greedy labels).
+        start = len(sample["prompt"]) - 1
+        assert top_ids[start:-1, 0].tolist() == sample["answer"]
+        assert bool((top_logp[start:, 0] <= 0).all()) and bool((top_logp[start:, 0] >= top_logp[start:, 1]).all())
+
     trained = tmp_path / "drafter"
     run = tmp_path / "run"
     main([*common, "--out", str(trained), "--run-dir", str(run), "--stop-after", "50"])
@@ -208,7 +211,13 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     losses = [float(r["loss"]) for r in rows]
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
     assert float(rows[0]["lambda"]) == 1.0 and float(rows[-1]["lambda"]) == 0.0
+    # The schedule continued across the resume: no second warm-up at step 51.
+    assert float(rows[50]["lr"]) < float(rows[10]["lr"])
     assert (run / "loss.png").stat().st_size > 0
+    val = list(csv.DictReader((run / "val.csv").open()))
+    assert [int(r["step"]) for r in val] == [40, 50, 80, 120]  # every 40 steps and where a run stopped
+    best = max(float(r["val_tau"]) for r in val)
+    assert json.loads((trained / "train_val.json").read_text())["tau"] == pytest.approx(best, abs=1e-4)
 
     drafter = load_drafter(trained, target_config=AutoConfig.from_pretrained(tiny_target_dir))
     assert drafter.config.has_head and drafter.config.use_mask_embedding
@@ -217,6 +226,68 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     tau_trained = _tau(tiny_target_dir, trained, prompts, tmp_path, "t")
     print(f"tiny target: tau untrained {tau_untrained:.2f}, trained {tau_trained:.2f}")
     assert tau_trained > tau_untrained + 0.2
+
+
+def test_offline_walk_equals_engine_tau(tiny_target_dir: Path) -> None:
+    """The offline acceptance walk over the target's own greedy answers reproduces the engine's
+    full-block greedy τ and per-slot acceptance without running the target."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    target = TargetModel(AutoModelForCausalLM.from_pretrained(tiny_target_dir))
+    drafter = tiny_drafter(std=0.3)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    # A drafter that agrees with the target often enough to exercise long acceptances.
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, target.vocab_size) for _ in range(rng.randint(4, 10))] for _ in range(6)]
+    engine = evaluate(target, drafter, prompts, ["domino"], max_new_tokens=24, eos=[], batch_size=3)["domino"]
+    from model.engine import Engine, SamplingParams
+
+    ar = Engine(target, None, mode="ar", max_batch_size=6, max_model_len=64, eos_token_ids=[])
+    answers = [tokens for tokens, _, _ in ar.generate(prompts, SamplingParams(max_new_tokens=24))]
+    seqs = [p + a for p, a in zip(prompts, answers)]
+    feats = compute_features(target, seqs, drafter.config.target_layer_ids, progress=False)
+    # The engine's last answer token is never a verify input: walk 23 + the prefill token.
+    walk = offline_walk(drafter, [(torch.tensor(s), f, len(p)) for s, f, p in zip(seqs, feats, prompts)], 24)
+    assert engine["steps"] == walk["steps"]
+    assert walk["tau"] == pytest.approx(engine["tau"], abs=1e-9)
+    assert walk["tau_per_slot"] == engine["tau_per_slot"]
+    assert walk["tau"] > 1.0  # some drafts were accepted: the comparison is not vacuous
+
+
+def test_distillation_targets_and_loss() -> None:
+    """Soft labels come from the target's top-k at the position before each label, renormalised over
+    the draft vocabulary; distill = 0 is exactly the hard-label loss."""
+    soft_ids = torch.tensor([[[5, 2, 9], [1, 2, 3]]])  # [S=1, N=2, k=3]
+    soft_logp = torch.log(torch.tensor([[[0.5, 0.3, 0.1], [0.6, 0.2, 0.1]]]))
+    vocab_map = torch.full((10,), -1)
+    vocab_map[torch.tensor([2, 5, 1])] = torch.tensor([0, 1, 2])  # 9 and 3 are not proposable
+    ids, probs = soft_targets(soft_ids, soft_logp, torch.tensor([[[0, 1]]]), vocab_map)
+    assert ids[0, 0, 0].tolist()[:2] == [1, 0] and ids[0, 0, 1].tolist()[:2] == [2, 0]
+    torch.testing.assert_close(probs[0, 0, 0], torch.tensor([0.625, 0.375, 0.0]))
+    torch.testing.assert_close(probs[0, 0, 1], torch.tensor([0.75, 0.25, 0.0]))
+
+    torch.manual_seed(0)
+    drafter = tiny_drafter(std=0.3)
+    target = tiny_target()
+    drafter.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    n, kh = 20, len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    ids_seq = torch.randint(3, 100, (n,))
+    top = torch.randint(3, 100, (n, 4))
+    logp = torch.log_softmax(torch.randn(n, 4), -1)
+    batch = sample_batch([(ids_seq, torch.randn(n, kh), 5, top, logp)], 6, random.Random(0))
+    hard = training_loss(drafter, batch, 0.5, None, gamma=default_gamma(drafter.config.block_size))
+    mixed0 = training_loss(drafter, batch, 0.5, None, gamma=default_gamma(drafter.config.block_size), distill=0.0)
+    mixed = training_loss(drafter, batch, 0.5, None, gamma=default_gamma(drafter.config.block_size), distill=0.7)
+    assert hard["loss"].item() == pytest.approx(mixed0["loss"].item())
+    assert mixed["loss"].item() != pytest.approx(hard["loss"].item())
+    mixed["loss"].backward()  # differentiable through the soft term
+
+
+def test_heldout_slices_and_slot_acceptance() -> None:
+    prompts = [[i] for i in range(10)]
+    assert heldout_slice(prompts, "validation") == prompts[:5] and heldout_slice(prompts, "test") == prompts[5:]
+    assert slot_acceptance([1, 2, 3, 1], 3) == [0.5, 0.25, 0.0]
 
 
 def test_target_model_wrapper_is_reused(tiny_target_dir: Path) -> None:

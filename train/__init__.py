@@ -1,0 +1,1 @@
+"""Drafter training: regenerated data, stored target features, the fit loop and evaluation."""

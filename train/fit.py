@@ -1,0 +1,301 @@
+"""`domino-train fit`: train a drafter on regenerated answers, from stored target features.
+
+Resumable: the run directory keeps `state.pt` (weights, optimizer, step, RNG, elapsed time, best
+validation τ), `log.csv` (per step), `val.csv` (per evaluation) and `loss.png`. Schedules (warm-up,
+cosine, λ) are functions of the progress saved in the state, so a resumed run continues them.
+Every `--eval-every` steps the greedy acceptance walk is replayed offline on a validation slice of
+the data (never trained on) and `--out` is overwritten only when τ improves: `--out` always holds
+the best checkpoint so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from model.checkpoint import load_drafter, save_drafter
+from model.drafter import Drafter, DrafterConfig
+from model.loading import load_target, resolve_device
+from model.target import TargetModel
+from train.evaluate import offline_walk
+from train.features import ShardFeatures, compute_features, default_features_root, shard_features_dir, store_features
+from train.init import draft_vocab_map, init_weights, make_drafter_config, rebuild_draft_vocab, warm_start
+from train.loss import default_gamma, lambda_schedule, lr_schedule, sample_batch, training_loss, training_progress
+from train.shards import read_shard, shard_paths
+
+log = logging.getLogger("domino.train.fit")
+
+LOG_COLUMNS = ["step", "loss", "loss_base", "loss_final", "acc", "lambda", "lr", "elapsed_s"]
+VAL_COLUMNS = ["step", "blocks", "val_tau", "elapsed_s", "best"]
+
+
+class TrainingData:
+    """Training and validation sequences with their stored features (memory-mapped) or none
+    (online features). Validation = the last `val_samples` samples of the first shard."""
+
+    def __init__(self, args: argparse.Namespace, taps: list[int], target: TargetModel) -> None:
+        data_dir = Path(args.data)
+        paths = shard_paths(data_dir)
+        if not paths:
+            raise SystemExit(f"no gen shards (shard-*.jsonl.gz) in {data_dir}")
+        self.stores: list[ShardFeatures | None] = [None] * len(paths)
+        if not args.online_features:
+            root = Path(args.features_dir) if args.features_dir else default_features_root() / data_dir.name
+            if not args.stored_only:
+                store_features(target, data_dir, root, taps, topk=args.topk, target_name=args.target)
+            for k, path in enumerate(paths):
+                directory = shard_features_dir(root, path, taps)
+                if (directory / "meta.json").exists():
+                    self.stores[k] = ShardFeatures.open(directory)
+        self.samples: list[tuple[int, int, dict[str, Any]]] = []  # (shard, row, sample)
+        for k, path in enumerate(paths):
+            if args.online_features or self.stores[k] is not None:
+                self.samples.extend((k, row, s) for row, s in enumerate(read_shard(path)))
+        if args.max_samples:
+            self.samples = self.samples[: args.max_samples]
+        first_shard = [i for i, (k, _, _) in enumerate(self.samples) if k == self.samples[0][0]]
+        val = set(first_shard[-args.val_samples :]) if args.val_samples else set()
+        self.train = [x for i, x in enumerate(self.samples) if i not in val]
+        if not self.train:
+            raise SystemExit(
+                f"no training samples in {data_dir}"
+                + (": no shard has stored features yet (run `domino-train features`)" if args.stored_only else "")
+            )
+        self.val = [x for i, x in enumerate(self.samples) if i in val]
+        self.target = target
+        self.taps = taps
+        log.info(
+            "%d training samples (%d answer tokens) from %d shards, %d validation samples",
+            len(self.train),
+            sum(len(s["answer"]) for _, _, s in self.train),
+            len({k for k, _, _ in self.train}),
+            len(self.val),
+        )
+
+    def load(self, items: list[tuple[int, int, dict[str, Any]]], soft: bool) -> list[tuple[Any, ...]]:
+        """(ids, features, answer start, top-k ids, top-k log-probs) per item."""
+        ids = [s["prompt"] + s["answer"] for _, _, s in items]
+        out = []
+        if any(self.stores[k] is None for k, _, _ in items):
+            feats = compute_features(self.target, ids, self.taps, progress=False)
+            return [(torch.tensor(i), f, len(s["prompt"]), None, None) for i, f, (_, _, s) in zip(ids, feats, items)]
+        for seq, (k, row, s) in zip(ids, items):
+            f, top_ids, top_logp = self.stores[k].sequence(row)  # type: ignore[union-attr]
+            out.append((torch.tensor(seq), f, len(s["prompt"]), top_ids if soft else None, top_logp if soft else None))
+        return out
+
+
+def build_drafter(
+    args: argparse.Namespace, target: TargetModel, state: dict[str, Any] | None, data: TrainingData
+) -> Drafter:
+    if state is not None:
+        drafter = Drafter(DrafterConfig(**state["config"]))
+        drafter.load_state_dict(state["drafter"])
+        return drafter
+    if args.init_from:
+        drafter = load_drafter(args.init_from, dtype=torch.float32, target_config=target.config)
+    else:
+        vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
+        drafter = Drafter(make_drafter_config(args, target, vocab_size))
+        init_weights(drafter)
+        if args.warm_start:
+            warm_start(drafter, target)
+    if drafter.config.draft_vocab_size is not None and (args.rebuild_vocab or not args.init_from):
+        tokens = torch.tensor([t for _, _, s in data.train for t in s["answer"]], dtype=torch.long)
+        rebuild_draft_vocab(drafter, torch.bincount(tokens, minlength=target.vocab_size))
+    return drafter
+
+
+def fit(args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    run = Path(args.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # TF32 for the drafter's fp32 training matmuls
+    model, _tok = load_target(args.target, torch.float32, device)
+    model.requires_grad_(False)
+    target = TargetModel(model)
+
+    state_path = run / "state.pt"
+    state = torch.load(state_path, weights_only=False) if state_path.exists() and not args.restart else None
+    taps = state["config"]["target_layer_ids"] if state else None
+    if taps is None and args.init_from:
+        taps = load_drafter(args.init_from, target_config=model.config).config.target_layer_ids
+    if taps is None:
+        taps = make_drafter_config(args, target, None).target_layer_ids
+    data = TrainingData(args, list(taps), target)
+    drafter = build_drafter(args, target, state, data)
+    cfg = drafter.config
+    drafter.to(device)
+    drafter.bind_target(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
+    vocab_map = draft_vocab_map(drafter, target.vocab_size)
+    if vocab_map is not None:
+        answers = torch.tensor([t for _, _, s in data.train for t in s["answer"]])
+        log.info(
+            "draft vocabulary %d covers %.4f of answer tokens",
+            cfg.draft_vocab,
+            float((vocab_map[answers] >= 0).float().mean()),
+        )
+    gamma = default_gamma(cfg.block_size) if args.gamma is None else (args.gamma or None)
+    val_items = data.load(data.val, soft=False) if data.val else []
+    val_seqs = [(ids.to(device), f, start) for ids, f, start, _, _ in val_items]
+
+    optimizer = torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+    )
+    step, elapsed, progress, best = 0, 0.0, 0.0, float("-inf")
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed = state["step"], state.get("elapsed", 0.0)
+        progress, best = state.get("progress", 0.0), state.get("best_val_tau", float("-inf"))
+        rng.setstate(state["rng"])
+        log.info("resumed from %s at step %d (progress %.3f, best validation τ %.3f)", state_path, step, progress, best)
+    log_writer, val_writer, files = _open_logs(run, resume=state is not None)
+    drafter.train()
+    t0 = time.perf_counter() - elapsed
+    blocks_per_step = args.batch_seqs * args.anchors
+    bar = tqdm(total=None if args.time_budget_s else args.steps, initial=step, desc="fit", unit="step", mininterval=10)
+    stop_at = args.steps if args.stop_after is None else min(args.steps, step + args.stop_after)
+
+    def save() -> None:
+        for f in files:
+            f.flush()
+        tmp = state_path.with_suffix(".tmp")
+        payload = {
+            "config": {k: v for k, v in vars(cfg).items()},
+            "drafter": drafter.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "rng": rng.getstate(),
+            "elapsed": elapsed,
+            "progress": progress,
+            "best_val_tau": best,
+        }
+        torch.save(payload, tmp)
+        os.replace(tmp, state_path)
+        if not val_seqs:
+            save_drafter(drafter, args.out)  # nothing to select on: the latest is the one
+        plot_log(run / "log.csv", run / "loss.png", run / "val.csv")
+
+    def validate() -> None:
+        nonlocal best
+        result = offline_walk(drafter, val_seqs, max_new_tokens=args.val_tokens)
+        drafter.train()
+        tau = float(result["tau"])  # type: ignore[arg-type]
+        improved = tau > best
+        if improved:
+            best = tau
+            save_drafter(drafter, args.out)
+            (Path(args.out) / "train_val.json").write_text(
+                json.dumps({"step": step, "blocks": step * blocks_per_step, **result}, indent=2) + "\n"
+            )
+        val_writer.writerow([step, step * blocks_per_step, f"{tau:.4f}", f"{elapsed:.1f}", int(improved)])
+        log.info("step %d: validation τ %.3f (best %.3f) per slot %s", step, tau, best, result["tau_per_slot"])
+
+    while step < stop_at:
+        # Progress never goes back: a resumed or extended run continues its warm-up, λ and cosine.
+        progress = max(progress, training_progress(step, args.steps, elapsed, args.time_budget_s))
+        if progress >= 1.0:
+            break
+        lam = lambda_schedule(progress) if cfg.has_head else 1.0
+        lr = args.lr * lr_schedule(progress, args.warmup)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        picked = [data.train[rng.randrange(len(data.train))] for _ in range(args.batch_seqs)]
+        batch = sample_batch(data.load(picked, soft=args.distill > 0), args.anchors, rng, device)
+        out = training_loss(drafter, batch, lam, vocab_map, gamma, args.distill)
+        optimizer.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
+        optimizer.step()
+        step += 1
+        elapsed = time.perf_counter() - t0
+        values = [out[k].item() for k in ("loss", "base", "final", "acc")]
+        log_writer.writerow([step, *(f"{v:.4f}" for v in values), f"{lam:.4f}", f"{lr:.3e}", f"{elapsed:.1f}"])
+        bar.update(1)
+        if val_seqs and step % args.eval_every == 0:
+            validate()
+        if step % args.save_every == 0:
+            save()
+    if val_seqs and (step % args.eval_every != 0 or step == 0):
+        validate()  # every run ends validated, so --out always holds its best checkpoint
+    save()
+    bar.close()
+    for f in files:
+        f.close()
+    (run / "summary.json").write_text(
+        json.dumps(
+            {
+                "steps": step,
+                "blocks": step * blocks_per_step,
+                "train_samples": len(data.train),
+                "answer_tokens": sum(len(s["answer"]) for _, _, s in data.train),
+                "best_val_tau": best,
+                "wall_s": elapsed,
+            },
+            indent=2,
+        )
+    )
+
+
+def _open_logs(run: Path, resume: bool) -> tuple[Any, Any, list[Any]]:
+    writers, files = [], []
+    for name, columns in (("log.csv", LOG_COLUMNS), ("val.csv", VAL_COLUMNS)):
+        path = run / name
+        new = not path.exists() or not resume
+        f = path.open("w" if new else "a", newline="")
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(columns)
+        writers.append(writer)
+        files.append(f)
+    return writers[0], writers[1], files
+
+
+def plot_log(log_path: Path, png: Path, val_path: Path | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(log_path.open()))
+    if not rows:
+        return
+    steps = [int(r["step"]) for r in rows]
+    smooth = max(1, len(rows) // 200)  # a point per ~0.5 % of training keeps long runs readable
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        values = [float(r[key]) for r in rows]
+        xs = steps[smooth - 1 :: smooth]
+        return xs, [sum(values[i * smooth : (i + 1) * smooth]) / smooth for i in range(len(xs))]
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in ("loss", "loss_base", "loss_final"):
+        ax1.plot(*series(key), label=key, linewidth=0.8)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("cross-entropy")
+    ax1.legend()
+    ax2.plot(*series("lambda"), label="λ (base-loss weight)")
+    ax2.plot(*series("acc"), label="draft top-1 accuracy (train)", linewidth=0.8)
+    val = list(csv.DictReader(val_path.open())) if val_path and val_path.exists() else []
+    if val:
+        ax2.plot([int(r["step"]) for r in val], [float(r["val_tau"]) - 1 for r in val], "o-", label="validation τ − 1")
+    ax2.set_xlabel("step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

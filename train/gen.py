@@ -1,0 +1,80 @@
+"""`domino-train gen`: regenerate answers with the target itself (labels are its own greedy output).
+
+Writes resumable gzip JSONL shards (train/shards.py); a finished shard is never regenerated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from model.engine import Engine, SamplingParams
+from model.loading import chat_prompt_ids, eos_token_ids, load_target, resolve_device, resolve_dtype
+from model.prompts import load_prompt_file
+from model.target import TargetModel
+from train.shards import shard_path
+
+log = logging.getLogger("domino.train.gen")
+
+
+def gen(args: argparse.Namespace) -> None:
+    from model.data import load_sharegpt_prompts, split_sharegpt
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(args.target, resolve_dtype(args.dtype, device), device)
+    if args.prompts:
+        prompts: list[Any] = load_prompt_file(Path(args.prompts), tokenizer)
+    else:
+        # ShareGPT first human turns; the held-out slice (bench/prompts) is never trained on.
+        prompts, _heldout = split_sharegpt(load_sharegpt_prompts(), heldout=args.heldout, seed=0)
+    engine = Engine(
+        TargetModel(model),
+        None,
+        mode="ar",
+        max_batch_size=args.batch_size,
+        max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+    )
+    total = min(len(prompts), args.limit or len(prompts))
+    num_shards = math.ceil(total / args.shard_size)
+    todo = [k for k in range(args.first_shard, num_shards) if not shard_path(out, k).exists()]
+    log.info("%d train prompts, %d shards of %d, %d to do", len(prompts), num_shards, args.shard_size, len(todo))
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
+    def shard_prompts(k: int) -> int:
+        return min(args.shard_size, total - k * args.shard_size)
+
+    bar = tqdm(total=sum(shard_prompts(k) for k in todo), desc="gen", unit="answer")
+    started, last_shard_s = time.perf_counter(), 0.0
+    for k in todo:
+        t0 = time.perf_counter()
+        if args.time_budget_s and t0 - started + last_shard_s > args.time_budget_s:
+            log.info("time budget reached: stopping before shard %d (rerun to resume)", k)
+            break
+        batch = []
+        for i in range(k * args.shard_size, min((k + 1) * args.shard_size, total)):
+            ids = prompts[i] if args.prompts else chat_prompt_ids(tokenizer, [{"role": "user", "content": prompts[i]}])
+            if len(ids) <= args.max_prompt_tokens:
+                batch.append((i, ids))
+        results = engine.generate([ids for _, ids in batch], params)
+        tmp = shard_path(out, k).with_suffix(".tmp")
+        with gzip.open(tmp, "wt") as f:
+            for (i, ids), (answer, _, _) in zip(batch, results):
+                f.write(json.dumps({"i": i, "prompt": ids, "answer": answer}) + "\n")
+        os.replace(tmp, shard_path(out, k))
+        new_tokens = sum(len(r[0]) for r in results)
+        last_shard_s = time.perf_counter() - t0
+        bar.update(shard_prompts(k))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()

@@ -1,0 +1,100 @@
+"""A new drafter for a target: its config, initial weights and draft vocabulary."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from model.target import TargetModel
+
+
+def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
+    tcfg = target.config
+    taps = (
+        [int(t) for t in args.taps.split(",")]
+        if args.taps
+        else default_target_layer_ids(target.num_layers, args.layers)
+    )
+    rope_theta = getattr(tcfg, "rope_theta", None) or (getattr(tcfg, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0
+    )
+    head = not args.no_head
+    return DrafterConfig(
+        hidden_size=target.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=int(tcfg.num_attention_heads),
+        num_key_value_heads=target.kv_heads,
+        head_dim=target.head_dim,
+        intermediate_size=int(tcfg.intermediate_size),
+        vocab_size=target.vocab_size,
+        block_size=args.block_size,
+        target_layer_ids=taps,
+        num_target_layers=target.num_layers,
+        mask_token_id=args.mask_token_id,
+        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 8192)),
+        projector_type="domino" if head else None,
+        gru_hidden_dim=args.gru_size,
+        emb_dim=args.rank,
+        shift_label=args.shift_label,
+        draft_vocab_size=draft_vocab_size,
+        use_mask_embedding=args.mask_token_id is None,
+        qk_norm=args.qk_norm,
+    )
+
+
+def init_weights(drafter: Drafter) -> None:
+    """Published-style init: matrices N(0, 0.02), norms at one, the mask embedding small."""
+    for name, p in drafter.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+        elif "norm" in name:
+            torch.nn.init.ones_(p)
+        elif name == "mask_embedding":
+            torch.nn.init.normal_(p, std=0.02)
+
+
+def warm_start(drafter: Drafter, target: TargetModel) -> None:
+    """Copy the target's top decoder layer into every draft layer; `fc` passes the last tap through."""
+    top = target.decoder.layers[-1]
+    src = {k: v for k, v in top.state_dict().items()}
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for name, param in layer.state_dict().items():
+                if name in src and src[name].shape == param.shape:
+                    param.copy_(src[name])
+        h = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -h:] = torch.eye(h)
+        drafter.norm.weight.copy_(target.decoder.norm.weight)
+
+
+def rebuild_draft_vocab(drafter: Drafter, counts: torch.Tensor) -> None:
+    """Make the draft vocabulary the most frequent tokens of `counts` [Vt]. The base logits borrow
+    the target's LM-head rows, so any token set works at once; the head's learned correction rows
+    are kept for tokens in both sets, and new tokens start with none."""
+    size = drafter.config.draft_vocab_size
+    assert size is not None
+    new_ids = counts.argsort(descending=True, stable=True)[:size].sort().values
+    with torch.no_grad():
+        if drafter.config.has_head:
+            weight = drafter.embed_proj[2].weight  # [V_draft, rank]
+            old_row = torch.full((counts.numel(),), -1, dtype=torch.long)
+            old_row[drafter.draft_vocab_ids.cpu()] = torch.arange(size)
+            src = old_row[new_ids].to(weight.device)
+            remapped = torch.zeros_like(weight)
+            remapped[src >= 0] = weight[src[src >= 0]]
+            weight.copy_(remapped)
+        drafter.draft_vocab_ids.copy_(new_ids.to(drafter.draft_vocab_ids.device))
+
+
+def draft_vocab_map(drafter: Drafter, target_vocab: int) -> torch.Tensor | None:
+    """Target id -> draft-vocabulary row ([Vt], -1 outside), or None for a full-vocabulary drafter."""
+    if drafter.config.draft_vocab_size is None:
+        return None
+    vocab_map = torch.full((target_vocab,), -1, dtype=torch.long, device=drafter.draft_vocab_ids.device)
+    vocab_map[drafter.draft_vocab_ids] = torch.arange(drafter.config.draft_vocab_size, device=vocab_map.device)
+    return vocab_map
