@@ -4,6 +4,7 @@ turn FastAPI's own exceptions (validation, 404/405, crashes) into it."""
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,13 +46,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def server_error(what: str, detail: str, code: str | None = None, exc_info: bool = False) -> APIError:
+    """A 500 that names a request id and nothing else: the detail (exception text, internals) goes to
+    the log under that id, never to the client."""
+    request_id = uuid.uuid4().hex
+    log.error("%s [request id %s]: %s", what, request_id, detail, exc_info=exc_info)
+    return APIError(
+        500,
+        f"{what}; the server logged the details under request id {request_id}",
+        "server_error",
+        code=code,
+        headers={"X-Request-Id": request_id},
+    )
+
+
 def generation_error(event: SeqEvent) -> APIError:
     """The error a failed choice turns into (the whole response fails with it)."""
     if event.unavailable:
         return APIError(503, event.error or "the server is shutting down", "server_error", code="service_unavailable")
-    return APIError(
-        500, f"generation failed: {event.error or 'unknown error'}", "server_error", code="generation_failed"
-    )
+    return server_error("generation failed", event.error or "unknown error", code="generation_failed")
 
 
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
@@ -103,5 +116,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return APIError(500, f"internal server error ({type(exc).__name__})", "server_error").response()
+        return server_error("internal server error", f"{type(exc).__name__}: {exc}", exc_info=True).response()

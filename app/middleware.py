@@ -10,7 +10,8 @@ from app.errors import APIError, bad_request
 
 
 class GuardMiddleware:
-    """401 for /v1 routes without the right bearer token; 413 for bodies over the limit.
+    """401 for /v1 routes without the right bearer token; 415 for POST bodies that are not JSON; 413
+    for bodies over the limit.
 
     The body is read here (bounded) and replayed to the app, so the limit holds whether or not the
     client sent Content-Length, and FastAPI never sees an oversized body."""
@@ -44,14 +45,19 @@ class GuardMiddleware:
             if declared > self.max_body:
                 await self._too_large(scope, receive, send)
                 return
+        if scope.get("method") == "POST" and not _is_json(headers.get(b"content-type", b"")):
+            # Only JSON: a form or text/plain body is what a cross-site <form> (or no-CORS fetch) can
+            # send, and it must never start a generation.
+            err = APIError(
+                415,
+                "the request body must be JSON, sent with 'Content-Type: application/json'",
+                code="unsupported_media_type",
+            )
+            await err.response()(scope, receive, send)
+            return
         body = await self._read_body(scope, receive, send)
         if body is None:
             return
-        if scope.get("method") == "POST" and b"json" not in headers.get(b"content-type", b""):
-            # Every body here is JSON: parse it as such even when a client (curl -d) labels it a form.
-            scope = dict(scope)
-            scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
-            scope["headers"].append((b"content-type", b"application/json"))
         replayed = False
 
         async def replay() -> Message:
@@ -94,3 +100,10 @@ class GuardMiddleware:
             headers={"Connection": "close"},
         )
         await err.response()(scope, receive, send)
+
+
+def _is_json(content_type: bytes) -> bool:
+    media_type = content_type.split(b";", 1)[0].strip().lower()
+    return media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    )

@@ -7,6 +7,7 @@ OpenAI clients send fields this server does not implement. Numbers that depend o
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -17,10 +18,48 @@ from model.engine import SamplingParams
 
 MAX_LOGPROBS = 5  # top alternatives per token, as OpenAI allows for completions
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Bounds on what a client can make the server hold or scan: top_k goes into an int64 tensor; stop
+# strings are searched in every chunk of text; messages are rendered by the chat template.
+MAX_TOP_K = 2**31 - 1
+MAX_STOP_CHARS = 256  # per stop string
+MAX_STOP_BYTES = 4096  # all stop strings together, UTF-8
+MAX_MESSAGES = 512
+MAX_MESSAGE_CHARS = 1 << 17  # per message (the body limit caps the total)
+MAX_TEMPLATE_KWARG_CHARS = 256  # a string value of chat_template_kwargs
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _first_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in value (str, or lists/dicts of them) a lone UTF-16 surrogate sits, or None. JSON can
+    carry them ("\\ud800") but they are not Unicode scalar values: no tokenizer or UTF-8 encoder
+    takes them."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            hit = _first_surrogate(item, f"{path}[{i}]")
+            if hit is not None:
+                return hit
+    if isinstance(value, dict):
+        for key, item in value.items():
+            hit = _first_surrogate(key, path) or _first_surrogate(item, f"{path}.{key}")
+            if hit is not None:
+                return hit
+    return None
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode_scalars_only(cls, value: Any) -> Any:
+        where = _first_surrogate(value)
+        if where is not None:
+            raise ValueError(f"contains a lone surrogate{f' (at {where})' if where else ''}: not valid Unicode text")
+        return value
 
 
 class StreamOptions(_Request):
@@ -33,7 +72,7 @@ class SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K, description="0 or -1: off")
     n: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
@@ -47,9 +86,20 @@ class SamplingFields(_Request):
     def _stop_shape(cls, value: Any) -> Any:
         if value is None or isinstance(value, str):
             return value
-        if isinstance(value, list) and all(isinstance(s, str) for s in value):
-            return value
-        raise ValueError("must be a string or a list of strings")
+        if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+            raise ValueError("must be a string or a list of strings")
+        return value
+
+    @field_validator("stop", mode="after")
+    @classmethod
+    def _stop_size(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+        # errors="replace": a lone surrogate is reported by the scalar check, not here.
+        if sum(len(s.encode("utf-8", errors="replace")) for s in stops) > MAX_STOP_BYTES:
+            raise ValueError(f"the stop strings must be at most {MAX_STOP_BYTES} bytes together")
+        return value
 
     @property
     def stop_list(self) -> list[str]:
@@ -104,15 +154,27 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=256)
 
     @field_validator("content", mode="before")
     @classmethod
     def _only_text(cls, value: Any) -> Any:
+        # Checked before the str | parts union, whose error would otherwise only say "not a string".
+        where = _first_surrogate(value)
+        if where is not None:
+            raise ValueError(f"contains a lone surrogate{f' (at {where})' if where else ''}: not valid Unicode text")
         if isinstance(value, list):
             for part in value:
                 if isinstance(part, dict) and part.get("type") not in (None, "text"):
                     raise ValueError(f"content part type {part.get('type')!r} is not supported (only 'text')")
+        return value
+
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_size(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        size = len(value) if isinstance(value, str) else sum(len(p.text) for p in value or [])
+        if size > MAX_MESSAGE_CHARS:
+            raise ValueError(f"a message may have at most {MAX_MESSAGE_CHARS} characters, got {size}")
         return value
 
     @property
@@ -125,13 +187,22 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    # Only the switches the served template reads are passed on (Service.check_template_kwargs).
+    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
+
+    @field_validator("chat_template_kwargs", mode="after")
+    @classmethod
+    def _kwarg_values(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, item in (value or {}).items():
+            if isinstance(item, str) and len(item) > MAX_TEMPLATE_KWARG_CHARS:
+                raise ValueError(f"{key}: at most {MAX_TEMPLATE_KWARG_CHARS} characters")
+        return value
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -3,12 +3,14 @@ metrics, with the deployment-dependent checks every route applies."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from app.errors import APIError, bad_request
+from app.errors import APIError, bad_request, server_error
 from app.metrics import Metrics
 from app.protocol import ChatCompletionRequest, SamplingFields
 from app.settings import Settings
@@ -16,9 +18,24 @@ from app.worker import EngineWorker, Overloaded, RequestHandle, SequenceSpec, Un
 from model.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# chat_template_kwargs every template may get (Qwen3's thinking switch); beyond these, only the
+# variables the served template itself reads. Never `chat_template`: a client-supplied template is
+# code run unbounded in time and memory.
+ALLOWED_TEMPLATE_KWARGS = {"enable_thinking"}
+# Variables a template reads that are ours to set, not the client's.
+TEMPLATE_GLOBALS = {
+    *("messages", "tools", "documents", "bos_token", "eos_token", "pad_token", "unk_token"),
+    *("raise_exception", "strftime_now", "range", "dict", "namespace", "lipsum", "cycler", "joiner"),
+}
+# Prompt preparations running at once in threads: one that overruns its time budget keeps its thread
+# (a thread cannot be cancelled), so bound how many can.
+PREPARE_SLOTS = 4
 
 # Keys of chat_template_kwargs that would clash with our own call to apply_chat_template.
 RESERVED_TEMPLATE_KWARGS = {
+    "chat_template",
     "conversation",
     "messages",
     "tokenize",
@@ -49,6 +66,10 @@ class Service:
         self.max_model_len = engine.max_model_len
         self.metrics = Metrics(self.model_name, engine.num_drafts, engine.max_batch_size)
         self.worker = EngineWorker(engine, tokenizer, self.metrics, settings.max_waiting)
+        self.template_kwargs = ALLOWED_TEMPLATE_KWARGS | _template_variables(tokenizer)
+        # The rendered prompt may exceed the body only by the template's own text.
+        self.max_rendered_chars = 4 * settings.max_request_bytes
+        self._prepare_slots = asyncio.Semaphore(PREPARE_SLOTS)
 
     @property
     def capacity(self) -> int:
@@ -91,6 +112,25 @@ class Service:
             )
         return n
 
+    def check_capacity(self, num_sequences: int) -> None:
+        """429 before any work on the prompt: an overloaded server should not tokenize or render first."""
+        if self.worker.healthy and self.worker.in_flight + num_sequences > self.capacity:
+            raise _overloaded(
+                f"the server is at capacity ({self.worker.in_flight} sequences in flight, at most {self.capacity}); "
+                "retry later"
+            )
+
+    def check_template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """The client's chat_template_kwargs, if the served template reads them all (400 otherwise)."""
+        for key in kwargs or {}:
+            if key not in self.template_kwargs:
+                allowed = ", ".join(sorted(self.template_kwargs)) or "none"
+                raise bad_request(
+                    f"chat_template_kwargs: {key!r} is not accepted (accepted: {allowed})",
+                    param=f"chat_template_kwargs.{key}",
+                )
+        return dict(kwargs or {})
+
     def check_prompt(self, prompt: Prompt, max_tokens: int, param: str, tokens_param: str) -> None:
         if not prompt.ids:
             raise bad_request(f"{param}: the prompt is empty (it encodes to no tokens)", param=param)
@@ -125,9 +165,7 @@ class Service:
         try:
             return await self.worker.submit(specs)
         except Overloaded as exc:
-            raise APIError(
-                429, str(exc), "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}
-            ) from None
+            raise _overloaded(str(exc)) from None
         except Unavailable as exc:
             raise APIError(
                 503, str(exc), "server_error", code="service_unavailable", headers={"Retry-After": "5"}
@@ -135,10 +173,40 @@ class Service:
         except ValueError as exc:  # the engine's own checks (bad params, context length)
             raise bad_request(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - e.g. an engine bug while adding
-            log.exception("admission failed")
-            raise APIError(500, f"could not admit the request ({type(exc).__name__}: {exc})", "server_error") from None
+            raise server_error("could not admit the request", f"{type(exc).__name__}: {exc}") from None
 
     # -- tokenization (call off the event loop) ------------------------------------------------------
+    async def prepare(self, fn: Callable[..., T], *args: Any, param: str) -> T:
+        """fn(*args) (tokenizing or rendering a prompt) in a thread, within the render time budget."""
+        budget = self.settings.render_timeout
+        try:
+            # A free slot is taken at once (no timer: a tiny budget must not refuse an idle server).
+            if self._prepare_slots.locked():
+                await asyncio.wait_for(self._prepare_slots.acquire(), budget)
+            else:
+                await self._prepare_slots.acquire()
+        except TimeoutError:
+            raise APIError(
+                503,
+                "the server is busy preparing other prompts; retry later",
+                "server_error",
+                code="service_unavailable",
+                headers={"Retry-After": "1"},
+            ) from None
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        task.add_done_callback(self._prepared)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), budget)
+        except TimeoutError:
+            raise bad_request(
+                f"{param}: preparing the prompt took longer than {budget:g} s", param=param, code="prompt_too_complex"
+            ) from None
+
+    def _prepared(self, task: asyncio.Future[Any]) -> None:
+        self._prepare_slots.release()
+        if not task.cancelled():
+            task.exception()  # retrieved here: a request that timed out no longer awaits it
+
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
@@ -151,7 +219,7 @@ class Service:
             if m.name is not None:
                 msg["name"] = m.name
             messages.append(msg)
-        kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+        kwargs = self.check_template_kwargs(body.chat_template_kwargs)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **kwargs
@@ -160,8 +228,30 @@ class Service:
             raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
         if not isinstance(text, str):
             raise bad_request("messages: the chat template did not render text", param="messages")
+        if len(text) > self.max_rendered_chars:
+            raise bad_request(
+                f"messages: the rendered prompt has more than {self.max_rendered_chars} characters", param="messages"
+            )
         # The template already wrote any BOS/special tokens it wants.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _overloaded(message: str) -> APIError:
+    return APIError(429, message, "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+
+def _template_variables(tokenizer: Any) -> set[str]:
+    """Variables the tokenizer's chat template reads that a client may set (its documented switches)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return set()
+    from jinja2 import Environment, meta
+
+    try:
+        names = meta.find_undeclared_variables(Environment().parse(template))
+    except Exception:  # noqa: BLE001 - an unparsable template fails at render time with a 400
+        return set()
+    return {n for n in names if n not in TEMPLATE_GLOBALS | RESERVED_TEMPLATE_KWARGS}

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = Field(None, description="when set, /v1 routes need 'Authorization: Bearer <key>'")
     max_request_bytes: int = Field(1 << 20, ge=1, description="larger request bodies get 413")
+    render_timeout: float = Field(
+        5.0, gt=0, description="seconds a request's prompt may take to render and tokenize (400 beyond)"
+    )
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may run on after SIGTERM")
     log_level: LogLevel = "info"
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -70,7 +68,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    ids = await asyncio.to_thread(service.render_chat, body)
+    service.check_template_kwargs(body.chat_template_kwargs)
+    service.check_capacity(n)
+    ids = await service.prepare(service.render_chat, body, param="messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     # Without a limit the answer may use the rest of the context (at least one token).

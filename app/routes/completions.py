@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -93,7 +92,8 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
             "echo: logprobs of the prompt are not available; do not combine echo with logprobs", param="echo"
         )
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
-    prompts = await asyncio.to_thread(_tokenize, service, raw_prompts)
+    service.check_capacity(n * len(raw_prompts))
+    prompts = await service.prepare(_tokenize, service, raw_prompts, param="prompt")
     for prompt in prompts:
         service.check_prompt(prompt, max_tokens, "prompt", "max_tokens")
     echo_texts: list[str] = []
