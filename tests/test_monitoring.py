@@ -129,7 +129,7 @@ def test_compose_wires_service_prometheus_and_grafana() -> None:
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     (job,) = config["scrape_configs"]
     assert job["static_configs"][0]["targets"] == ["domino:8000"]
-    assert services["domino"]["ports"] == ["8000:8000"]
+    assert services["domino"]["ports"] == ["127.0.0.1:8000:8000"]  # no key by default: this host only
     datasource = yaml.safe_load(DATASOURCES.read_text())["datasources"][0]
     assert datasource["url"] == "http://prometheus:9090"
     assert datasource["jsonData"]["timeInterval"] == config["global"]["scrape_interval"]
@@ -139,6 +139,26 @@ def test_compose_wires_service_prometheus_and_grafana() -> None:
     assert "Qwen/Qwen3-8B" in gpu["environment"]["DOMINO_TARGET"]
     assert "Huang2020/Qwen3-8B-Domino-b16" in gpu["environment"]["DOMINO_DRAFTER"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+
+
+def test_compose_exposes_the_api_beyond_loopback_only_with_a_key() -> None:
+    """Every port compose.yaml publishes is bound to 127.0.0.1 (the API has no key by default); the
+    public override publishes the API on every interface and makes compose refuse to start without
+    DOMINO_API_KEY (`${VAR:?message}`)."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+    class ComposeLoader(yaml.SafeLoader):
+        pass
+
+    # Compose's merge tags: `!override` replaces the base file's list instead of appending to it.
+    ComposeLoader.add_constructor("!override", lambda loader, node: loader.construct_sequence(node))
+    public = yaml.load((DOCKER / "compose.public.yaml").read_text(), Loader=ComposeLoader)["services"]["domino"]
+    assert "!override" in (DOCKER / "compose.public.yaml").read_text()
+    assert public["ports"] == ["8000:8000"]
+    assert re.fullmatch(r"\$\{DOMINO_API_KEY:\?[^}]+\}", public["environment"]["DOMINO_API_KEY"])
 
 
 def test_dashboard_panels_use_the_provisioned_datasource_and_exported_metrics() -> None:
