@@ -108,12 +108,15 @@ def _walk_batch(
     ids = torch.zeros(s, n + d + 1, dtype=torch.long, device=dev)
     feats = torch.zeros(s, n, chunk[0][1].shape[1], device=dev)
     anchor = torch.zeros(s, dtype=torch.long, device=dev)
-    end = torch.zeros(s, dtype=torch.long, device=dev)
+    end = torch.zeros(s, dtype=torch.long, device=dev)  # positions < end are the generated answer
+    draft_end = torch.zeros(s, dtype=torch.long, device=dev)  # drafts only at positions < draft_end
     for r, (seq, f, start) in enumerate(chunk):
         ids[r, : len(seq)] = seq.to(dev)
         feats[r, : len(seq)] = f.to(dev, torch.float32)
         anchor[r] = start
-        end[r] = min(len(seq), start + max_new_tokens)  # positions < end are the generated answer
+        end[r] = min(len(seq), start + max_new_tokens)
+        # Like the engine: never draft past the token budget less the bonus, nor past the answer.
+        draft_end[r] = min(len(seq), start + max_new_tokens - 1)
     ctx_kv = drafter.context_keys_values(drafter.project_context(feats), torch.arange(n, device=dev).expand(s, n))
     offs = torch.arange(b, device=dev)
     greedy = SamplingBatch(
@@ -139,7 +142,7 @@ def _walk_batch(
         hidden = drafter.run_layers(drafter.block_input(block), a[:, None] + offs, combine, visible[:, None, None, :])
         drafts = drafter.draft(hidden, block[:, 0], greedy).tokens  # [S, D]
         truth = ids.gather(1, a[:, None] + 1 + torch.arange(d, device=dev))
-        valid = (a[:, None] + 1 + torch.arange(d, device=dev)) < end[:, None]
+        valid = (a[:, None] + 1 + torch.arange(d, device=dev)) < draft_end[:, None]
         accepted = ((drafts == truth) & valid).long().cumprod(-1).sum(-1)
         lengths.extend((accepted[active] + 1).tolist())
         anchor = torch.where(active, anchor + accepted + 1, anchor)

@@ -203,8 +203,9 @@ def compute_features(
     batch_tokens: int = 4096,
     out_device: torch.device | str = "cpu",
     progress: bool = True,
+    dtype: torch.dtype = torch.float16,
 ) -> list[torch.Tensor]:
-    """Concatenated tap hidden states [N, K*H] (fp16, on `out_device`) of each full sequence, by
+    """Concatenated tap hidden states [N, K*H] (`dtype`, on `out_device`) of each full sequence, by
     length-sorted batches, kept in memory (fit --online-features computes them per batch)."""
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     feats: list[torch.Tensor | None] = [None] * len(sequences)
@@ -213,7 +214,7 @@ def compute_features(
     def flush() -> None:
         out, _, _ = _forward_batch(target, [sequences[i] for i in batch], taps, 1, [len(sequences[i]) for i in batch])
         for row, i in enumerate(batch):
-            feats[i] = out[row, : len(sequences[i])].to(device=out_device, dtype=torch.float16)
+            feats[i] = out[row, : len(sequences[i])].to(device=out_device, dtype=dtype)
 
     for i in tqdm(order, desc="features", unit="seq", disable=not progress):
         if batch and (len(batch) + 1) * len(sequences[i]) > batch_tokens:

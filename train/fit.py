@@ -44,43 +44,59 @@ class TrainingData:
     (online features). Validation = the last `val_samples` samples of the first shard."""
 
     def __init__(self, args: argparse.Namespace, taps: list[int], target: TargetModel) -> None:
-        data_dir = Path(args.data)
-        paths = shard_paths(data_dir)
-        if not paths:
-            raise SystemExit(f"no gen shards (shard-*.jsonl.gz) in {data_dir}")
-        self.stores: list[ShardFeatures | None] = [None] * len(paths)
-        if not args.online_features:
-            root = Path(args.features_dir) if args.features_dir else default_features_root() / data_dir.name
-            if not args.stored_only:
-                store_features(target, data_dir, root, taps, topk=args.topk, target_name=args.target)
-            for k, path in enumerate(paths):
-                directory = shard_features_dir(root, path, taps)
-                if (directory / "meta.json").exists():
-                    self.stores[k] = ShardFeatures.open(directory)
-        self.samples: list[tuple[int, int, dict[str, Any]]] = []  # (shard, row, sample)
-        for k, path in enumerate(paths):
-            if args.online_features or self.stores[k] is not None:
-                self.samples.extend((k, row, s) for row, s in enumerate(read_shard(path)))
-        if args.max_samples:
-            self.samples = self.samples[: args.max_samples]
-        first_shard = [i for i, (k, _, _) in enumerate(self.samples) if k == self.samples[0][0]]
-        val = set(first_shard[-args.val_samples :]) if args.val_samples else set()
-        self.train = [x for i, x in enumerate(self.samples) if i not in val]
-        if not self.train:
-            raise SystemExit(
-                f"no training samples in {data_dir}"
-                + (": no shard has stored features yet (run `domino-train features`)" if args.stored_only else "")
-            )
-        self.val = [x for i, x in enumerate(self.samples) if i in val]
+        self.data_dir = Path(args.data)
+        self.paths = shard_paths(self.data_dir)
+        if not self.paths:
+            raise SystemExit(f"no gen shards (shard-*.jsonl.gz) in {self.data_dir}")
+        self.online = bool(args.online_features)
+        self.root = Path(args.features_dir) if args.features_dir else default_features_root() / self.data_dir.name
+        self.stores: list[ShardFeatures | None] = [None] * len(self.paths)
+        if not self.online and not args.stored_only:
+            store_features(target, self.data_dir, self.root, taps, topk=args.topk, target_name=args.target)
         self.target = target
         self.taps = taps
-        log.info(
-            "%d training samples (%d answer tokens) from %d shards, %d validation samples",
-            len(self.train),
-            sum(len(s["answer"]) for _, _, s in self.train),
-            len({k for k, _, _ in self.train}),
-            len(self.val),
-        )
+        self.max_samples = args.max_samples
+        self.train: list[tuple[int, int, dict[str, Any]]] = []  # (shard, row, sample)
+        self.val: list[tuple[int, int, dict[str, Any]]] = []
+        self.val_samples = args.val_samples
+        self.loaded: set[int] = set()
+        self.refresh()
+        if not self.train:
+            raise SystemExit(
+                f"no training samples in {self.data_dir}"
+                + (": no shard has stored features yet (run `domino-train features`)" if args.stored_only else "")
+            )
+
+    def refresh(self) -> int:
+        """Add the shards whose features have been stored since the last call (a `features` job may
+        still be running beside fit --stored-only); returns the number of samples added."""
+        added = 0
+        for k, path in enumerate(self.paths):
+            if k in self.loaded:
+                continue
+            if not self.online:
+                directory = shard_features_dir(self.root, path, self.taps)
+                if not (directory / "meta.json").exists():
+                    continue
+                self.stores[k] = ShardFeatures.open(directory)
+            items = [(k, row, s) for row, s in enumerate(read_shard(path))]
+            if self.max_samples:
+                items = items[: max(0, self.max_samples - len(self.train) - len(self.val))]
+            if not self.val and self.val_samples:
+                # Validation = the last samples of the first shard that arrives (shard 0 in practice).
+                self.val, items = items[-self.val_samples :], items[: -self.val_samples]
+            self.train.extend(items)
+            self.loaded.add(k)
+            added += len(items)
+        if added:
+            log.info(
+                "%d training samples (%d answer tokens) from %d shards, %d validation samples",
+                len(self.train),
+                sum(len(s["answer"]) for _, _, s in self.train),
+                len({k for k, _, _ in self.train}),
+                len(self.val),
+            )
+        return added
 
     def load(self, items: list[tuple[int, int, dict[str, Any]]], soft: bool) -> list[tuple[Any, ...]]:
         """(ids, features, answer start, top-k ids, top-k log-probs) per item."""
@@ -215,6 +231,8 @@ def fit(args: argparse.Namespace) -> None:
         lr = args.lr * lr_schedule(progress, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        if args.stored_only and step % 500 == 0:
+            data.refresh()
         picked = [data.train[rng.randrange(len(data.train))] for _ in range(args.batch_seqs)]
         batch = sample_batch(data.load(picked, soft=args.distill > 0), args.anchors, rng, device)
         out = training_loss(drafter, batch, lam, vocab_map, gamma, args.distill)
