@@ -42,6 +42,22 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# Documented in /openapi.json for the /v1 routes: every error has OpenAI's shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "invalid request"),
+        (401, "missing or invalid API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (415, "request body not sent as application/json"),
+        (429, "the server is at capacity; retry after Retry-After seconds"),
+        (500, "internal error; the message names a request id"),
+        (503, "model not loaded or server draining"),
+    )
+}
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from app.errors import install_error_handlers
 from app.middleware import GuardMiddleware
@@ -101,7 +102,7 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
         strict_content_type=False,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",  # the schema clients and fuzzers read, as vLLM serves it
     )
     app.state.service = None
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_bytes)
@@ -115,9 +116,21 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
             service.worker.begin_drain(max(0.0, settings.drain_timeout - 0.5))
 
     app.state.begin_drain = begin_drain
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     for router in (ops.router, models.router, completions.router, chat.router):
         app.include_router(router)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without its 422 responses: invalid input is answered with 400 here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 __all__ = ["Service", "create_app", "load_engine"]

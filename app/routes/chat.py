@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.deps import ServiceDep
-from app.errors import bad_request
+from app.errors import ERROR_RESPONSES, bad_request
 from app.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -24,7 +24,7 @@ from app.responses import chat_logprobs, collect, spec_decode_field, sse, sse_re
 from app.service import Prompt
 from app.worker import SeqEvent
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 class ChatStream:

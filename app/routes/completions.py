@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.deps import ServiceDep
-from app.errors import bad_request
+from app.errors import ERROR_RESPONSES, bad_request
 from app.protocol import CompletionChoice, CompletionRequest, CompletionResponse, SpecDecodeStats, Usage, new_id, now
 from app.responses import (
     collect,
@@ -24,7 +24,7 @@ from app.responses import (
 from app.service import Prompt, Service
 from app.worker import SeqEvent
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 def _split_prompts(prompt: Any) -> list[str | list[int]]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app.deps import ServiceDep
+from app.errors import ERROR_RESPONSES
 from app.protocol import ModelCard, ModelList
 from app.service import Service
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 def _card(service: Service) -> ModelCard:
