@@ -42,18 +42,31 @@ def target_and_refs(request):
     return model, prompts, budgets, refs
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("batch", [1, 3, 8])
-def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int) -> None:
+# The fixed policy verifies every draft, so each speculative case really checks drafts; the adaptive
+# policy (whose choices follow measured step times) is run too, on one batch size.
+GREEDY_CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
+
+
+@pytest.mark.parametrize(("mode", "batch", "policy"), GREEDY_CASES)
+def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
     """Rows of different lengths and budgets; with batch < 8 rows join as others finish."""
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, batch)
+    engine = _engine(model, mode, batch, draft_policy=policy)
     params = [SamplingParams(max_new_tokens=n) for n in budgets]
     results = engine.generate(prompts, params)
     for (tokens, stats, reason), ref in zip(results, refs):
         assert tokens == ref
         assert reason == "length"
         assert sum(stats.acceptance_lengths) == len(ref) - 1  # the first token comes from prefill
+        if mode == "ar":
+            assert stats.draft_tokens == 0
+        elif policy == "fixed":
+            # Every budget here leaves room for drafts after the prefill token: drafts were verified.
+            assert stats.draft_tokens > 0, stats
+    if mode == "ar":
+        assert engine.draft_forwards == 0
+    else:
+        assert engine.draft_forwards > 0  # the adaptive policy starts by drafting
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -125,6 +138,19 @@ def test_oracle_perfect_drafts_accept_full_blocks() -> None:
         assert stats.acceptance_lengths == [5, 5, 5, 5]
         assert stats.accepted_tokens == 16 and stats.draft_tokens == 16
         assert stats.accepted_per_position == [4, 4, 4, 4]
+
+
+def test_oracle_adaptive_policy_verifies_and_accepts_drafts() -> None:
+    """The adaptive policy with drafts that are always right: it must verify (and accept) them."""
+    model = tiny_target()
+    prompts = _prompts(3)
+    refs = [_hf_greedy(model, p, 21) for p in prompts]
+    engine = _oracle(model, {f"gen-{i}": r for i, r in enumerate(refs)}, draft_policy="adaptive")
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=21))
+    for (tokens, stats, _), ref in zip(results, refs):
+        assert tokens == ref
+        assert stats.draft_tokens > 0 and stats.accepted_tokens == stats.draft_tokens
+        assert max(stats.acceptance_lengths) >= 3
 
 
 @pytest.mark.parametrize("bad_slot", [0, 2, 3])
