@@ -8,7 +8,7 @@ DOMINO_PORT ?= 8000
 .PHONY: install serve test test-fast lint clean
 
 # docker/install.sh is also the Docker image's install step: the image installs what CI tests.
-$(STAMP): requirements.txt constraints.txt pyproject.toml docker/install.sh
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt pyproject.toml docker/install.sh
 	bash docker/install.sh all $(VENV)
 	touch $(STAMP)
 

@@ -6,10 +6,11 @@
 #   docker/install.sh [--keep-torch] STEP VENV
 #
 # STEP:
-#   deps           create VENV if missing; install requirements.txt pinned by constraints.txt
+#   deps           create VENV if missing; install requirements.txt (what serving needs) pinned by constraints.txt
+#   dev-deps       install requirements-dev.txt (training, benchmark, test and lint tools; not in the image)
 #   project        install this checkout into VENV (editable, no dependencies: they come from `deps`)
 #   default-model  build the embedded default target (SmolLM2-135M) into $DOMINO_CACHE_DIR
-#   all            deps, then project
+#   all            deps, dev-deps, then project (`make install`, CI)
 #
 # --keep-torch: torch is already provided by the base interpreter (the CUDA build in the pytorch/pytorch
 # image). VENV is then created with --system-site-packages and torch is taken out of the pins: the
@@ -26,7 +27,7 @@ if [ "${1:-}" = "--keep-torch" ]; then
   shift
 fi
 if [ $# -ne 2 ]; then
-  echo "usage: $0 [--keep-torch] {deps|project|default-model|all} VENV" >&2
+  echo "usage: $0 [--keep-torch] {deps|dev-deps|project|default-model|all} VENV" >&2
   exit 2
 fi
 STEP="$1"
@@ -92,13 +93,20 @@ step_default_model() {
   (cd "$ROOT" && "$PY" -c 'from model.default_model import ensure_default_target; print(ensure_default_target(progress=False))')
 }
 
+step_dev_deps() {
+  create_venv
+  pip_install -r "$ROOT/requirements-dev.txt" -c "$ROOT/constraints.txt"
+}
+
 case "$STEP" in
   deps) step_deps ;;
+  dev-deps) step_dev_deps ;;
   project) step_project ;;
   default-model) step_default_model ;;
   all)
     # Not `a && b`: bash ignores `set -e` inside the left side of an && list.
     step_deps
+    step_dev_deps
     step_project
     ;;
   *)

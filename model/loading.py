@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -17,10 +18,22 @@ from model.target import TargetModel
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "default"
-# The drafters this project trained for the embedded default target (see models/README.md).
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DRAFTER_DIR = REPO_ROOT / "models" / "smollm2-135m-domino"
-DEFAULT_DFLASH_DRAFTER_DIR = REPO_ROOT / "models" / "smollm2-135m-dflash"
+
+
+def shipped_drafter_dir(name: str) -> Path:
+    """A drafter this project ships (models/README.md): `models/<name>` next to the source (a
+    checkout or editable install), else `<prefix>/share/domino-serve/models/<name>` where a wheel
+    install puts it (pyproject.toml's data-files)."""
+    for base in (REPO_ROOT / "models", Path(sys.prefix) / "share" / "domino-serve" / "models"):
+        if (base / name / "config.json").is_file():
+            return base / name
+    return REPO_ROOT / "models" / name
+
+
+# The drafters this project trained for the embedded default target.
+DEFAULT_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-domino")
+DEFAULT_DFLASH_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-dflash")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,0 +1,118 @@
+"""What a non-editable install and the serving image get: the shipped drafters are found, and the
+serving code imports none of the training, benchmark, test or lint tools."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# tqdm and httpx also come with transformers / huggingface-hub; these must not come with serving.
+DEV_ONLY = ("pytest", "ruff", "scipy", "matplotlib", "hypothesis", "schemathesis", "openai")
+
+
+def _names(path: Path) -> set[str]:
+    lines = [x.strip() for x in path.read_text().splitlines() if x.strip() and not x.startswith("#")]
+    return {re.split(r"[=<>\[ ]", x)[0].lower().replace("_", "-") for x in lines}
+
+
+def test_serving_requirements_carry_no_dev_tools() -> None:
+    serving, dev = _names(REPO_ROOT / "requirements.txt"), _names(REPO_ROOT / "requirements-dev.txt")
+    assert not serving & set(DEV_ONLY), serving & set(DEV_ONLY)
+    assert set(DEV_ONLY) <= dev and {"tqdm", "httpx"} <= dev
+    pinned = _names(REPO_ROOT / "constraints.txt")
+    assert (serving | dev) <= pinned | {"jinja2"}
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    """Top-level modules imported anywhere (function bodies included) by each file of a package."""
+    found: dict[str, set[str]] = {}
+    for path in (REPO_ROOT / package).rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        found[str(path.relative_to(REPO_ROOT))] = names
+    return found
+
+
+def test_serving_code_imports_no_dev_tools_and_no_trainer() -> None:
+    """app/ and model/ (what the image serves) import no dev-only tool, and never train/ or bench/."""
+    forbidden = set(DEV_ONLY) | {"tqdm", "httpx", "train", "bench"}
+    for package in ("app", "model"):
+        bad = {f: names & forbidden for f, names in _imports(package).items() if names & forbidden}
+        assert not bad, bad
+    bench = {f: names & {"train"} for f, names in _imports("bench").items() if "train" in names}
+    assert not bench, bench  # benchmarks use model/, not the trainer
+
+
+@pytest.mark.slow
+def test_wheel_install_finds_shipped_drafters(tmp_path: Path) -> None:
+    """A wheel (not editable) installed into a fresh venv, run away from the checkout, serves the
+    embedded default's drafters from <prefix>/share/domino-serve/models."""
+    wheels = tmp_path / "wheels"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV", "DOMINO_"))}
+    env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(REPO_ROOT),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next(wheels.glob("domino_serve-*.whl"))
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(venv), str(wheel)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    # Dependencies (torch, transformers, ...) come from this test's environment, as a base image's do.
+    run_env = {**env, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    code = """
+import sys
+from model.loading import DEFAULT_DRAFTER_DIR, DEFAULT_DFLASH_DRAFTER_DIR
+from model.checkpoint import load_drafter
+for path in (DEFAULT_DRAFTER_DIR, DEFAULT_DFLASH_DRAFTER_DIR):
+    assert str(path).startswith(sys.prefix), (path, sys.prefix)
+    print(path, load_drafter(path).config.block_size)
+import model
+print(model.__file__)
+"""
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code],
+        cwd=tmp_path,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(venv) in proc.stdout.splitlines()[-1]  # the installed copy, not the checkout
+    assert proc.stdout.count("share/domino-serve/models/smollm2-135m-") == 2
