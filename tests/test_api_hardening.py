@@ -159,26 +159,29 @@ def test_prompt_preparation_has_a_time_budget(server_factory: Callable[..., Serv
 
 def test_overload_is_refused_before_tokenizing(server_factory: Callable[..., ServerProcess]) -> None:
     """A full server answers 429 at once, without rendering or tokenizing the prompt first."""
-    srv = server_factory(max_batch_size=1, max_waiting=0)
-    started = threading.Event()
+    srv = server_factory(max_batch_size=1, max_waiting=0, max_model_len=1024, mode="ar")
+    started, release = threading.Event(), threading.Event()
 
-    def occupy() -> None:
-        body = {"prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    def occupy() -> None:  # one long stream holds the only row until released (then disconnects)
+        body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + COMPLETIONS, json=body, timeout=60) as r:
-            for _ in r.iter_lines():
-                started.set()
+            lines = r.iter_lines()  # kept: dropping a half-read iterator closes the connection
+            next(lines)
+            started.set()
+            release.wait(60)
 
     worker = threading.Thread(target=occupy)
     worker.start()
     try:
         assert started.wait(30)
         # Before: 400 context_length_exceeded, i.e. the prompt was tokenized and checked first.
-        r = httpx.post(srv.url + COMPLETIONS, json={"prompt": "word " * 600}, timeout=30)
+        r = httpx.post(srv.url + COMPLETIONS, json={"prompt": "word " * 5000}, timeout=30)
         err = assert_openai_error(r, 429)
         assert err["code"] == "rate_limit_exceeded" and r.headers["retry-after"]
-        r = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": "word " * 600}]}, timeout=30)
+        r = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": "word " * 5000}]}, timeout=30)
         assert_openai_error(r, 429)
     finally:
+        release.set()
         worker.join(60)
         srv.stop()
 
