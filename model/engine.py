@@ -1,12 +1,14 @@
-"""Continuous-batching speculative decoding engine (DESIGN §1.4, §3).
+"""Continuous-batching speculative decoding engine (docs/design.md §1.4, §3).
 
 One `Engine` owns a target, an optional drafter and their per-row caches. `step()` either admits
 waiting requests (one batched prefill) or advances every running row by one speculative step:
 draft a block per row, verify all rows in one target forward, commit a different number of tokens
 per row and roll the rest back by not advancing that row's cache length.
 
-Modes: `domino` (Domino head on), `dflash` (head off: base logits only), `ar` (no drafts: plain
-batched autoregressive decoding through the same code path).
+Modes: `domino` (Domino head on), `dflash` (head off: base logits only), `ngram` (only prompt-lookup
+copies from each row's own context, no drafter), `ar` (no drafts: plain batched autoregressive
+decoding through the same code path). In `domino`/`dflash` the n-gram copies are on by default too:
+per row and step the policy verifies whichever proposal it expects to pay more (or none).
 """
 
 from __future__ import annotations
@@ -19,7 +21,18 @@ from dataclasses import dataclass, field
 import torch
 
 from model.drafter import DraftContextCache, Drafter, DraftResult
-from model.policy import AcceptanceCalibration, StepCosts, best_shared_drafts, stopping_drafts
+from model.ngram import NgramIndex
+from model.policy import (
+    NGRAM_PRIOR,
+    AcceptanceCalibration,
+    NgramAcceptance,
+    StepCosts,
+    best_shared_width,
+    capped_gain,
+    expected_accepted,
+    prior_rate,
+    stopping_drafts,
+)
 from model.sampling import (
     SamplingBatch,
     processed_probs,
@@ -29,7 +42,8 @@ from model.sampling import (
 )
 from model.target import TargetModel
 
-MODES = ("domino", "dflash", "ar")
+MODES = ("domino", "dflash", "ngram", "ar")
+PROPOSERS = ("drafter", "ngram")
 MAX_LOGPROBS = 20
 
 
@@ -68,6 +82,9 @@ class RequestStats:
     accepted_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + 1
     accepted_per_position: list[int] = field(default_factory=list)  # per draft slot
+    # The same counts split by who proposed the drafts: "drafter" or "ngram".
+    draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
+    accepted_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -98,6 +115,7 @@ class RequestOutput:
     step_draft_tokens: int = 0  # drafts verified for this request in this step
     step_accepted: list[int] = field(default_factory=list)  # accepted draft slots in this step
     is_verify_step: bool = False
+    step_proposer: str | None = None  # "drafter" | "ngram" | None (no drafts verified this step)
     # With capture_taps: target features [n, K*H] of the inputs committed this step (the prompt at
     # prefill, then anchor + accepted drafts), i.e. of every position but the last token.
     features: torch.Tensor | None = None
@@ -123,9 +141,21 @@ class _Row:
     anchor: int = -1
     stats: RequestStats = field(default_factory=RequestStats)
     aborted: bool = False
+    ngram: NgramIndex | None = None  # prompt + output, indexed for prompt lookup
+    ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
+
+
+@dataclass
+class _NgramPlan:
+    tokens: list[int]  # the copy proposed
+    match_len: int
+    accept: torch.Tensor  # [len(tokens)] estimated acceptance of each slot once reached
 
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
+# Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
+# ~350 steps without copies), so a match length written off on old text is tried again.
+NGRAM_FADE = 0.998
 
 
 class Engine:
@@ -141,16 +171,30 @@ class Engine:
         max_drafts: int | None = None,
         draft_policy: str = "adaptive",
         capture_taps: list[int] | None = None,
+        ngram: bool = True,
+        ngram_max_n: int = 4,
+        ngram_min_n: int = 1,
+        ngram_max_drafts: int = 8,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode != "ar" and drafter is None:
+        if mode not in ("ar", "ngram") and drafter is None:
             raise ValueError(f"mode {mode!r} needs a drafter")
         if mode == "domino" and drafter is not None and not drafter.config.has_head:
             raise ValueError("mode 'domino' needs a Domino drafter (projector_type 'domino'); use 'dflash'")
         self.target = target
         self.mode = mode
-        self.drafter = drafter if mode != "ar" else None
+        self.drafter = drafter if mode not in ("ar", "ngram") else None
+        # Prompt-lookup copies: the only proposals in `ngram` mode, an extra choice in domino/dflash.
+        self.ngram = mode == "ngram" or (ngram and mode != "ar")
+        self.ngram_max_n, self.ngram_min_n = ngram_max_n, ngram_min_n
+        self.ngram_max_drafts = ngram_max_drafts if max_drafts is None else min(ngram_max_drafts, max_drafts)
+        if self.ngram and self.ngram_max_drafts < 1:
+            raise ValueError(f"ngram_max_drafts must be >= 1, got {self.ngram_max_drafts}")
+        # Observed acceptance of greedy rows' copies, by match length and slot (engine-wide).
+        self.ngram_acceptance = NgramAcceptance(ngram_max_n, max(self.ngram_max_drafts, 1))
+        self.ngram_prior = NGRAM_PRIOR  # acceptance assumed before any copy was verified
+        self._drafter_gain: float | None = None  # recent expected accepted drafts per drafted row
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -224,7 +268,10 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
             stop_ids=frozenset(stop_ids),
         )
-        row.stats.accepted_per_position = [0] * self.num_drafts
+        if self.ngram:
+            row.ngram = NgramIndex(self.ngram_max_n, self.ngram_min_n)
+            row.ngram_acceptance = NgramAcceptance(self.ngram_max_n, self.ngram_max_drafts)
+        row.stats.accepted_per_position = [0] * self.max_drafts_per_step
         self.waiting.append(row)
 
     def abort(self, request_id: str) -> None:
@@ -235,6 +282,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.rows or self.waiting)
+
+    @property
+    def max_drafts_per_step(self) -> int:
+        """The most drafts one row may verify in a step, from either proposer."""
+        return max(self.num_drafts, self.ngram_max_drafts if self.ngram else 0)
 
     @property
     def num_running(self) -> int:
@@ -448,6 +500,54 @@ class Engine:
         hidden = self.drafter.forward_block(self.draft_cache, lo, block)
         return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots)
 
+    def _ngram_plan(self, rows: list[_Row], budgets: list[int], width: int) -> list[_NgramPlan | None]:
+        """Each row's n-gram proposal (at most `width` tokens, within its budget) and its expected
+        acceptance per slot: greedy rows shrink their own record towards the engine-wide one;
+        sampling rows use their own record only, so a seeded row decides the same in any batch."""
+        plans: list[_NgramPlan | None] = []
+        for row, budget in zip(rows, budgets):
+            index, record = row.ngram, row.ngram_acceptance
+            if index is None or record is None or width == 0 or budget == 0:
+                plans.append(None)
+                continue
+            # Catch the index up with what was committed since (prompt first, then the output).
+            seen, plen = len(index), len(row.prompt_ids)
+            if seen < plen:
+                index.extend(row.prompt_ids[seen:])
+                seen = plen
+            index.extend(row.output_ids[seen - plen :])
+            index_prop = index.propose(min(width, budget))
+            if index_prop is None:
+                plans.append(None)
+                continue
+            n, slots = index_prop.match_len, len(index_prop.tokens)
+            if row.params.temperature > 0:
+                est = record.estimate(n, slots, self.ngram_prior)
+            else:
+                est = record.estimate(n, slots, self.ngram_acceptance.estimate(n, slots, self.ngram_prior))
+            plans.append(_NgramPlan(index_prop.tokens, n, est.float()))
+        return plans
+
+    def _drafter_span(self, r: int, d: int, any_seeded: bool, plans: list[_NgramPlan | None]) -> tuple[int, int] | None:
+        """Rows lo+a..lo+b-1 that run the drafter this step (one contiguous span of slots), or None."""
+        if self.drafter is None or d == 0:
+            return None
+        if any_seeded:
+            # A seeded row's choice must not depend on the batch: draft every row, never pause.
+            return 0, r
+        if self._skip_drafting > 0:
+            self._skip_drafting -= 1
+            return None
+        if self.draft_policy == "fixed" or self._drafter_gain is None:
+            return 0, r
+        # Rows whose n-gram match is expected to accept at least what the drafter lately did skip it.
+        want = [
+            i
+            for i, plan in enumerate(plans)
+            if plan is None or float(expected_accepted(plan.accept[None])[0, -1]) < self._drafter_gain
+        ]
+        return (min(want), max(want) + 1) if want else None
+
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
         hi = len(self.rows) if hi is None else hi
@@ -459,71 +559,50 @@ class Engine:
         any_seeded = any(row.params.seed is not None and row.params.temperature > 0 for row in rows)
         full = any_seeded or self.draft_policy == "fixed"
         d = self.num_drafts if full else self._draft_width
-        uniforms = self._draw_uniforms(rows, 2 * d + 1)  # draft slots, acceptance tests, final token
+        nw = self.ngram_max_drafts if self.ngram else 0
+        width = max(d, nw)
+        uniforms = self._draw_uniforms(rows, 2 * width + 1)  # draft slots, acceptance tests, final token
         sampling = self._sampling_batch(rows, uniforms[:, :d])
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=dev)
+        budgets = [max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows]
+        greedy_rows = [row.params.temperature <= 0 for row in rows]
 
-        sampled_rows = ~sampling.greedy
-        any_sampled = bool(sampled_rows.any())
         t0 = time.perf_counter()
+        if nw:
+            self.ngram_acceptance.fade(NGRAM_FADE)
+        plans = self._ngram_plan(rows, budgets, nw)
+        span = self._drafter_span(r, d, any_seeded, plans)
         draft = None
-        if d > 0 and (self._skip_drafting == 0 or any_seeded):
-            draft = self._propose(lo, rows, anchors, sampling, d)
+        a, b = span if span is not None else (0, 0)
+        t_draft = time.perf_counter()
+        if span is not None:
+            draft = self._propose(lo + a, rows[a:b], anchors[a:b], sampling.rows(torch.arange(a, b, device=dev)), d)
             self.draft_forwards += 1
-        elif self._skip_drafting > 0:
-            self._skip_drafting -= 1
+            self.costs.observe_draft(b - a, time.perf_counter() - t_draft)
         t1 = time.perf_counter()
-        num_drafts = torch.zeros(r, dtype=torch.long, device=dev)
-        if draft is not None:
-            self.costs.observe_draft(r, t1 - t0)
-            budget = torch.tensor([row.params.max_new_tokens - len(row.output_ids) - 1 for row in rows], device=dev)
-            budget = budget.clamp_min(0)
-            # Confidence = each slot's largest probability, known before that slot's draft is drawn:
-            # any rule that stops at the first doubtful slot keeps sampling lossless.
-            confidence = draft.confidence[:, :d].float()
-            if self.draft_policy == "fixed":
-                confident = (confidence >= self.draft_threshold).long().cumprod(-1).sum(-1)
-                num_drafts = torch.minimum(confident, budget)
-            else:
-                greedy_idx = sampling.greedy.nonzero().squeeze(1)
-                shared = 0
-                if len(greedy_idx):
-                    # Greedy output never depends on the draft count: pick the best rate for the batch.
-                    calibrated = self.calibration.calibrate(confidence[greedy_idx])
-                    shared, _rate = best_shared_drafts(calibrated, budget[greedy_idx], self.costs)
-                num_drafts = torch.minimum(torch.full_like(budget, shared), budget)
-                if any_sampled:
-                    local = stopping_drafts(confidence, budget)
-                    num_drafts = torch.where(sampled_rows, local, num_drafts)
-                    # Greedy rows may use the padded width for free.
-                    width = torch.full_like(budget, int(num_drafts.max()))
-                    num_drafts = torch.where(sampled_rows, num_drafts, torch.minimum(width, budget))
-                used = int(num_drafts.max())
-                if used == 0:
-                    # Speculation did not pay for several steps running: decode plainly for a while.
-                    # (A decision from past steps only, so it is lossless for sampling rows too.)
-                    # The first pause needs 3 such steps; a probe after a pause needs one, and
-                    # each failed probe doubles the next pause (a drafter that never pays costs
-                    # one draft every PAUSE_MAX steps).
-                    self._no_gain_streak += 1
-                    if self._no_gain_streak >= (3 if self._pause_len == PAUSE_MIN else 1):
-                        self._skip_drafting, self._no_gain_streak = self._pause_len, 0
-                        self._pause_len = min(2 * self._pause_len, PAUSE_MAX)
-                else:
-                    self._no_gain_streak = 0
-                    self._pause_len = PAUSE_MIN
-                # Draft only as many slots as the policy has lately used (logits and head steps
-                # for slots that are never verified are wasted): grow when all were used.
-                if used >= d and self._draft_width < self.num_drafts:
-                    self._draft_width += 1
-                elif used <= d - 2 and not full:
-                    self._draft_width = max(1, self._draft_width - 1)
-        k = int(num_drafts.max())
+        counts, use_ngram = self._choose(rows, plans, draft, a, b, d, budgets, greedy_rows, full)
+        k = max(counts, default=0)
 
-        tokens = anchors[:, None]
-        if k > 0:
-            assert draft is not None
-            tokens = torch.cat([tokens, draft.tokens[:, :k]], dim=1)
+        # Drafts per row from its proposer (padding past a row's count is verified but never counted).
+        drafts = torch.zeros(r, k, dtype=torch.long, device=dev)
+        token_probs = torch.ones(r, k, device=dev)
+        if draft is not None and k > 0:
+            kd = min(k, d)
+            drafts[a:b, :kd] = draft.tokens[:, :kd]
+            token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
+        ngram_mask = torch.tensor(use_ngram, dtype=torch.bool)
+        if k > 0 and bool(ngram_mask.any()):
+            copied = torch.zeros(r, k, dtype=torch.long)
+            for i, plan in enumerate(plans):
+                if use_ngram[i] and plan is not None:
+                    copied[i, : counts[i]] = torch.tensor(plan.tokens[: counts[i]])
+            ngram_mask = ngram_mask.to(dev)
+            drafts = torch.where(ngram_mask[:, None], copied.to(dev), drafts)
+            token_probs = torch.where(ngram_mask[:, None], torch.ones_like(token_probs), token_probs)
+        ngram_mask = ngram_mask.to(dev)
+        num_drafts = torch.tensor(counts, dtype=torch.long, device=dev)
+        tokens = torch.cat([anchors[:, None], drafts], dim=1)
+
         t_fwd = time.perf_counter()
         out = self.target.forward(self.cache, lo, tokens, want_features=self.want_features)
         if out.logits.is_cuda:
@@ -534,31 +613,37 @@ class Engine:
         accepted = torch.zeros(r, dtype=torch.long, device=dev)
         bonus = torch.zeros(r, dtype=torch.long, device=dev)
         greedy = sampling.greedy
-        drafts = tokens[:, 1:]
         if bool(greedy.any()):
             g = greedy.nonzero().squeeze(1)
             acc_g, bonus_g = verify_greedy(logits[g], drafts[g], num_drafts[g])
             accepted[g], bonus[g] = acc_g, bonus_g
             if k > 0 and draft is not None:
-                self.calibration.observe(draft.confidence[g, :k].float(), num_drafts[g], acc_g)
+                # Calibrate the drafter on the greedy rows that verified its drafts.
+                mine = [i for i in g.tolist() if a <= i < b and not use_ngram[i]]
+                if mine:
+                    idx = torch.tensor(mine, device=dev)
+                    self.calibration.observe(
+                        draft.confidence[idx - a, : min(k, d)].float(), num_drafts[idx], accepted[idx]
+                    )
         if not bool(greedy.all()):
             s = (~greedy).nonzero().squeeze(1)
             p = processed_probs(logits[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
             acc_s, bonus_s = verify_sampling(
                 p,
                 drafts[s],
-                draft.token_probs[s, :k] if draft is not None else torch.zeros(len(s), 0, device=dev),
-                draft.draft_probs[s, :k] if draft is not None and draft.draft_probs is not None else None,
+                token_probs[s],
+                self._draft_dists(draft, s, a, b, d, k),
                 num_drafts[s],
-                uniforms[s, d : d + k],
-                uniforms[s, 2 * d],
+                uniforms[s, width : width + k],
+                uniforms[s, 2 * width],
                 self.drafter.draft_vocab_ids
                 if self.drafter is not None and self.drafter.config.draft_vocab_size
                 else None,
+                onehot=ngram_mask[s],
             )
             accepted[s], bonus[s] = acc_s, bonus_s
 
-        acc_list, bonus_list, nd_list = accepted.tolist(), bonus.tolist(), num_drafts.tolist()
+        acc_list, bonus_list = accepted.tolist(), bonus.tolist()
         drafts_list = drafts.tolist()
         new_tokens = [drafts_list[i][: acc_list[i]] + [bonus_list[i]] for i in range(r)]
         logprobs = [
@@ -576,15 +661,24 @@ class Engine:
 
         outputs, done = [], []
         for i, row in enumerate(rows):
-            a = acc_list[i]
+            a_i, n_i = acc_list[i], counts[i]
+            proposer = None if n_i == 0 else ("ngram" if use_ngram[i] else "drafter")
+            plan = plans[i]
+            if proposer == "ngram" and plan is not None and row.ngram_acceptance is not None:
+                row.ngram_acceptance.observe(plan.match_len, n_i, a_i)
+                if greedy_rows[i]:
+                    self.ngram_acceptance.observe(plan.match_len, n_i, a_i)
             emitted, reason, stop_tok = self._commit(row, new_tokens[i])
             row.anchor = bonus_list[i]
             st = row.stats
             st.verify_steps += 1
-            st.draft_tokens += nd_list[i]
-            st.accepted_tokens += a
-            st.acceptance_lengths.append(a + 1)
-            for j in range(a):
+            st.draft_tokens += n_i
+            st.accepted_tokens += a_i
+            if proposer is not None:
+                st.draft_tokens_by_proposer[proposer] = st.draft_tokens_by_proposer.get(proposer, 0) + n_i
+                st.accepted_tokens_by_proposer[proposer] = st.accepted_tokens_by_proposer.get(proposer, 0) + a_i
+            st.acceptance_lengths.append(a_i + 1)
+            for j in range(a_i):
                 st.accepted_per_position[j] += 1
             lp = logprobs[i][: len(emitted)] if logprobs[i] is not None else None
             outputs.append(
@@ -596,16 +690,144 @@ class Engine:
                     st,
                     lp,
                     stop_tok,
-                    step_draft_tokens=nd_list[i],
-                    step_accepted=list(range(a)),
+                    step_draft_tokens=n_i,
+                    step_accepted=list(range(a_i)),
                     is_verify_step=True,
+                    step_proposer=proposer,
                 )
             )
             if self.capture:
                 assert out.features is not None
-                outputs[-1].features = out.features[i, : a + 1].to(torch.float16).cpu()
+                outputs[-1].features = out.features[i, : a_i + 1].to(torch.float16).cpu()
             if reason is not None:
                 done.append(lo + i)
         if finalize:
             self._remove_rows(done)
         return outputs
+
+    def _draft_dists(
+        self, draft: DraftResult | None, s: torch.Tensor, a: int, b: int, d: int, k: int
+    ) -> torch.Tensor | None:
+        """The drafter's distributions [S, k, Vd] for sampling rows s (rows it did not draft: zeros)."""
+        if draft is None or draft.draft_probs is None or k == 0:
+            return None
+        idx = s.tolist()
+        if k <= d and all(a <= i < b for i in idx):
+            return draft.draft_probs[s - a, :k]
+        full = draft.draft_probs.new_zeros(len(idx), k, draft.draft_probs.shape[-1])
+        kd = min(k, d)
+        for j, i in enumerate(idx):
+            if a <= i < b:
+                full[j, :kd] = draft.draft_probs[i - a, :kd]
+        return full
+
+    def _choose(
+        self,
+        rows: list[_Row],
+        plans: list[_NgramPlan | None],
+        draft: DraftResult | None,
+        a: int,
+        b: int,
+        d: int,
+        budgets: list[int],
+        greedy_rows: list[bool],
+        full: bool,
+    ) -> tuple[list[int], list[bool]]:
+        """Drafts to verify per row, and whether they are the row's n-gram copy (else the drafter's)."""
+        r = len(rows)
+        counts, use_ngram = [0] * r, [False] * r
+        ngram_len = [len(p.tokens) if p is not None else 0 for p in plans]
+        conf = draft.confidence[:, :d].float().cpu() if draft is not None else torch.zeros(0, d)
+        in_span = [a <= i < b and draft is not None for i in range(r)]
+        if self.draft_policy == "fixed":
+            # Fixed: the drafter's block wherever it ran (up to the first doubtful slot), else the copy.
+            confident = (conf >= self.draft_threshold).long().cumprod(-1).sum(-1).tolist() if draft is not None else []
+            for i in range(r):
+                if in_span[i]:
+                    counts[i] = min(confident[i - a], budgets[i])
+                elif ngram_len[i]:
+                    counts[i], use_ngram[i] = ngram_len[i], True
+            return counts, use_ngram
+
+        width = max([d if draft is not None else 0, *ngram_len])
+        budget_t = torch.tensor(budgets)
+        gain_d = torch.zeros(r, width + 1, dtype=torch.float64)
+        if draft is not None:
+            calibrated = self.calibration.calibrate(conf).double()
+            gain_d[a:b] = capped_gain(expected_accepted(calibrated), width, budget_t[a:b])
+            # What the drafter is expected to add per row at full width: rows whose copy promises
+            # more skip the next drafter forward (`_drafter_span`).
+            mean_gain = float(expected_accepted(calibrated)[:, -1].mean())
+            self._drafter_gain = mean_gain if self._drafter_gain is None else 0.8 * self._drafter_gain + 0.2 * mean_gain
+        gain_n = torch.zeros(r, width + 1, dtype=torch.float64)
+        for i, plan in enumerate(plans):
+            if plan is not None:
+                gain_n[i] = capped_gain(expected_accepted(plan.accept[None].double()), width, torch.tensor([width]))[0]
+
+        # Sampling rows: a row-local, lossless rule. The count of each proposer is a stopping time
+        # of its own draft sequence (`stopping_drafts`); which proposer is chosen depends only on
+        # what is known before the first draft is drawn: the copy and its estimates, and the
+        # drafter's first-slot confidence (later slots may depend on drawn drafts).
+        for i in range(r):
+            if greedy_rows[i]:
+                continue
+            plan = plans[i]
+            n_count = 0
+            rate_n = 0.0
+            if plan is not None:
+                n_count = int(stopping_drafts(plan.accept[None], torch.tensor([ngram_len[i]]), draft_cost=0.0)[0])
+                rate_n = float(prior_rate(plan.accept[None], torch.tensor([n_count]), 0.0)[0])
+            if in_span[i]:
+                c = conf[i - a]
+                geometric = c[:1].expand(d)[None]
+                g_count = stopping_drafts(geometric, torch.tensor([budgets[i]]), draft_cost=0.0)
+                rate_d = float(prior_rate(geometric, g_count, 0.0)[0])
+                if plan is not None and n_count > 0 and rate_n > rate_d:
+                    counts[i], use_ngram[i] = n_count, True
+                else:
+                    counts[i] = int(stopping_drafts(c[None], torch.tensor([budgets[i]]))[0])
+            elif n_count > 0:
+                counts[i], use_ngram[i] = n_count, True
+
+        # Greedy rows: their output never depends on the drafts, so choose for the batch: the shared
+        # width with the best expected token rate, each row taking the better proposer at that width.
+        greedy_idx = [i for i in range(r) if greedy_rows[i]]
+        if greedy_idx:
+            best = torch.maximum(gain_d[greedy_idx], gain_n[greedy_idx])
+            draft_cost = self.costs.draft(b - a) if draft is not None else 0.0
+            shared, _rate = best_shared_width(best, self.costs, draft_cost)
+            # Sampling rows may widen the forward: greedy rows use the padded width for free.
+            k = max([shared, *counts])
+            for i in greedy_idx:
+                if k == 0:
+                    break
+                if gain_n[i, k] > gain_d[i, k]:
+                    counts[i], use_ngram[i] = min(k, ngram_len[i]), True
+                elif gain_d[i, k] > 0:
+                    counts[i] = min(k, d, budgets[i])
+
+        if draft is not None:
+            self._adapt_drafting(max([counts[i] for i in range(a, b) if not use_ngram[i]], default=0), d, full)
+        return counts, use_ngram
+
+    def _adapt_drafting(self, used: int, d: int, full: bool) -> None:
+        """After a drafter forward that had `used` of its `d` slots verified (at most, over rows)."""
+        if used == 0:
+            # Speculation did not pay for several steps running: decode plainly for a while.
+            # (A decision from past steps only, so it is lossless for sampling rows too.)
+            # The first pause needs 3 such steps; a probe after a pause needs one, and
+            # each failed probe doubles the next pause (a drafter that never pays costs
+            # one draft every PAUSE_MAX steps).
+            self._no_gain_streak += 1
+            if self._no_gain_streak >= (3 if self._pause_len == PAUSE_MIN else 1):
+                self._skip_drafting, self._no_gain_streak = self._pause_len, 0
+                self._pause_len = min(2 * self._pause_len, PAUSE_MAX)
+        else:
+            self._no_gain_streak = 0
+            self._pause_len = PAUSE_MIN
+        # Draft only as many slots as the policy has lately used (logits and head steps
+        # for slots that are never verified are wasted): grow when all were used.
+        if used >= d and self._draft_width < self.num_drafts:
+            self._draft_width += 1
+        elif used <= d - 2 and not full:
+            self._draft_width = max(1, self._draft_width - 1)

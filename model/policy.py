@@ -36,6 +36,9 @@ def prior_verify(tokens: int) -> float:
     return PRIOR_VERIFY_CURVE[hi] + slope * (tokens - hi)
 
 
+TRUSTED_SAMPLES = 3  # measurements of a (batch, T) cell before it is believed over the prior's shape
+
+
 class StepCosts:
     """Exponential moving averages of measured verify and draft times, by batch size and T."""
 
@@ -43,16 +46,21 @@ class StepCosts:
         self.decay = decay
         self.verify_s: dict[tuple[int, int], float] = {}
         self.draft_s: dict[int, float] = {}
+        self.verify_n: dict[tuple[int, int], int] = {}  # samples per cell
+        self.draft_n: dict[int, int] = {}
 
-    def _ema(self, table: dict, key: object, seconds: float) -> None:
+    def _ema(self, table: dict, counts: dict, key: object, seconds: float) -> None:
+        # A plain mean over the first samples, so one outlier (a cold first call) fades quickly.
+        n = counts[key] = counts.get(key, 0) + 1
         old = table.get(key)
-        table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        weight = max(1 / n, 1 - self.decay)
+        table[key] = seconds if old is None else (1 - weight) * old + weight * seconds
 
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
-        self._ema(self.verify_s, (batch, tokens), seconds)
+        self._ema(self.verify_s, self.verify_n, (batch, tokens), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        self._ema(self.draft_s, batch, seconds)
+        self._ema(self.draft_s, self.draft_n, batch, seconds)
 
     def verify(self, batch: int, tokens: int) -> float:
         """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.
@@ -62,6 +70,14 @@ class StepCosts:
         and never measure, the short one)."""
         longer = [s for (b, t), s in self.verify_s.items() if b == batch and t > tokens]
         estimate = self._verify_estimate(batch, tokens)
+        if 0 < self.verify_n.get((batch, tokens), 0) < TRUSTED_SAMPLES:
+            # A cell measured once or twice (maybe in a noisy moment) may not look dearer than a
+            # well-measured one scaled by the prior curve: else it is never tried, never re-measured.
+            trusted = [(t, s) for (b, t), s in self.verify_s.items() if b == batch and t != tokens]
+            trusted = [(t, s) for t, s in trusted if self.verify_n[(batch, t)] >= TRUSTED_SAMPLES]
+            if trusted:
+                t, s = max(trusted, key=lambda ts: self.verify_n[(batch, ts[0])])
+                estimate = min(estimate, s * prior_verify(tokens) / prior_verify(t))
         return min([estimate, *longer])
 
     def _verify_estimate(self, batch: int, tokens: int) -> float:
@@ -135,20 +151,78 @@ def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:
     return torch.cat([zeros, survive.cumsum(-1)], dim=-1)
 
 
-def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: StepCosts) -> tuple[int, float]:
-    """The draft count k (shared by the batch) with the highest expected token rate, and that rate."""
-    r, d = confidence.shape
-    gain = expected_accepted(confidence)  # [R, D + 1]
-    ks = torch.arange(d + 1, device=confidence.device)
-    capped = torch.minimum(ks[None, :], budget[:, None].clamp_min(0))  # a row can't use more than its budget
-    tokens = (r + gain.gather(1, capped).sum(0)).tolist()
-    draft_cost = costs.draft(r)
-    rates = [tokens[k] / (draft_cost + costs.verify(r, k + 1)) for k in range(d + 1)]
-    best = max(range(d + 1), key=lambda k: rates[k])
+def capped_gain(gain: torch.Tensor, width: int, limit: torch.Tensor) -> torch.Tensor:
+    """E_r(min(k, limit_r)) for k = 0..width from gains [R, D + 1]: [R, width + 1]."""
+    ks = torch.arange(width + 1, device=gain.device)
+    idx = torch.minimum(ks[None, :], limit[:, None].clamp(0, gain.shape[1] - 1))
+    return gain.gather(1, idx)
+
+
+def best_shared_width(gain: torch.Tensor, costs: StepCosts, draft_cost: float) -> tuple[int, float]:
+    """The shared verify width k with the highest expected token rate given each row's expected
+    accepted drafts at width k, gain [R, W + 1] (already capped by budget and proposal length)."""
+    r, w1 = gain.shape
+    tokens = (r + gain.sum(0)).tolist()
+    rates = [tokens[k] / (draft_cost + costs.verify(r, k + 1)) for k in range(w1)]
+    best = max(range(w1), key=lambda k: rates[k])
     return best, rates[best]
 
 
-def stopping_drafts(confidence: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: StepCosts) -> tuple[int, float]:
+    """The draft count k (shared by the batch) with the highest expected token rate, and that rate."""
+    r, d = confidence.shape
+    gain = capped_gain(expected_accepted(confidence), d, budget)  # a row can't use more than its budget
+    return best_shared_width(gain, costs, costs.draft(r))
+
+
+class NgramAcceptance:
+    """P(n-gram draft at slot j is accepted | slot j reached, the match had length n), learned from
+    verify steps with old observations fading, like `AcceptanceCalibration` for the drafter.
+
+    An estimate shrinks towards `prior` (another `NgramAcceptance`, e.g. the engine-wide one under a
+    row's own, or a constant while nothing was seen) in proportion to how little was observed.
+    """
+
+    def __init__(self, max_n: int, max_slots: int, prior_weight: float = 2.0, decay: float = 0.99) -> None:
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.reached = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
+        self.accepted = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
+
+    def fade(self, factor: float) -> None:
+        """Age the evidence without new observations (estimates drift back to their prior, so a
+        match length that once failed is tried again later)."""
+        self.reached.mul_(factor)
+        self.accepted.mul_(factor)
+
+    def observe(self, match_len: int, verified: int, accepted: int) -> None:
+        """One verify step of one row: `verified` n-gram drafts, the first `accepted` accepted."""
+        if verified <= 0:
+            return
+        reached = min(verified, accepted + 1)  # slots after the first rejection were never tested
+        self.fade(self.decay)
+        self.reached[match_len, :reached] += 1
+        self.accepted[match_len, :accepted] += 1
+
+    def estimate(self, match_len: int, slots: int, prior: torch.Tensor | float) -> torch.Tensor:
+        """Per-slot acceptance estimates [slots] for a match of length `match_len`; prior [slots] or a number."""
+        reached, acc = self.reached[match_len, :slots], self.accepted[match_len, :slots]
+        return (acc + self.prior_weight * prior) / (reached + self.prior_weight)
+
+
+NGRAM_PRIOR = 0.3  # acceptance of an n-gram draft before anything was observed (any value in (0, 1) is lossless)
+
+
+def prior_rate(confidence: torch.Tensor, count: torch.Tensor, draft_cost: float) -> torch.Tensor:
+    """Expected tokens per unit of prior batch-1 step cost [R] when verifying count [R] drafts."""
+    gain = expected_accepted(confidence).gather(1, count[:, None].long()).squeeze(1)
+    cost = torch.tensor([draft_cost + prior_verify(int(k) + 1) for k in count.tolist()], dtype=gain.dtype)
+    return (1 + gain) / cost.to(gain.device)
+
+
+def stopping_drafts(
+    confidence: torch.Tensor, budget: torch.Tensor, draft_cost: float = PRIOR_DRAFT_FRACTION
+) -> torch.Tensor:
     """Per-row draft count by a stopping rule, for sampling rows.
 
     Slot i is verified only while the expected rate (prior batch-1 costs) does not drop by adding
@@ -158,7 +232,7 @@ def stopping_drafts(confidence: torch.Tensor, budget: torch.Tensor) -> torch.Ten
     """
     r, d = confidence.shape
     gain = expected_accepted(confidence)  # [R, D + 1]
-    cost = torch.tensor([PRIOR_DRAFT_FRACTION + prior_verify(k + 1) for k in range(d + 1)], dtype=gain.dtype)
+    cost = torch.tensor([draft_cost + prior_verify(k + 1) for k in range(d + 1)], dtype=gain.dtype)
     rate = (1 + gain) / cost.to(gain.device)
     keeps_paying = (rate[:, 1:] >= rate[:, :-1]).long().cumprod(-1)
     return torch.minimum(keeps_paying.sum(-1), budget.clamp_min(0))

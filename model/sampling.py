@@ -131,13 +131,16 @@ def verify_sampling(
     u_accept: torch.Tensor,
     u_final: torch.Tensor,
     draft_vocab_ids: torch.Tensor | None = None,
+    onehot: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard speculative sampling (lossless): accept draft i with prob min(1, p_i(d_i) / q_i(d_i)),
     on the first rejection sample from normalize(max(p - q, 0)), else the bonus from p.
 
     target_probs [R, K + 1, V]; drafts [R, K] full ids; draft_token_probs [R, K] = q_i(d_i);
     draft_dists [R, K, Vd] (Vd = V unless draft_vocab_ids maps the draft vocabulary);
-    u_accept [R, K], u_final [R].
+    u_accept [R, K], u_final [R]. Rows with onehot [R] True carry deterministic proposals (n-gram
+    copies): q is one-hot on the draft, so it is accepted with probability p(d) (pass q(d) = 1) and a
+    rejection resamples from p without d; their draft_dists rows are ignored.
     """
     r, k = drafts.shape
     dev = drafts.device
@@ -152,12 +155,19 @@ def verify_sampling(
     p_final = target_probs[rows, accepted]  # [R, V]
     rejected = accepted < num_drafts
     if bool(rejected.any()):
-        assert draft_dists is not None
-        q_at = draft_dists[rows, accepted.clamp_max(max(k - 1, 0))].to(p_final.dtype)
-        if draft_vocab_ids is not None:
-            q_full = torch.zeros_like(p_final).index_copy_(1, draft_vocab_ids, q_at)
+        at = accepted.clamp_max(max(k - 1, 0))
+        if draft_dists is not None:
+            q_at = draft_dists[rows, at].to(p_final.dtype)
+            if draft_vocab_ids is not None:
+                q_full = torch.zeros_like(p_final).index_copy_(1, draft_vocab_ids, q_at)
+            else:
+                q_full = q_at
         else:
-            q_full = q_at
+            assert onehot is not None and bool(onehot[rejected].all()), "rejected drafter rows need draft_dists"
+            q_full = torch.zeros_like(p_final)
+        if onehot is not None and bool(onehot.any()):
+            point = torch.zeros_like(p_final).scatter_(1, drafts[rows, at][:, None], 1.0)
+            q_full = torch.where(onehot[:, None], point, q_full)
         residual = (p_final - q_full).clamp_min(0)
         total = residual.sum(-1, keepdim=True)
         # total == 0 only when p == q, where rejection has probability zero; fall back to p.

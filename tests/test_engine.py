@@ -112,7 +112,10 @@ class OracleEngine(Engine):
         return DraftResult(out, torch.ones(len(rows), d), None, torch.ones(len(rows), d))
 
 
-def _oracle(model, continuations, corrupt=frozenset(), batch=4, draft_policy="fixed", **kwargs) -> OracleEngine:
+def _oracle(
+    model, continuations, corrupt=frozenset(), batch=4, draft_policy="fixed", ngram=False, **kwargs
+) -> OracleEngine:
+    # n-gram copies off by default: these tests count exactly what the oracle's drafts do.
     return OracleEngine(
         TargetModel(model),
         tiny_drafter(domino=False, block_size=5),  # 4 drafts per block
@@ -122,6 +125,7 @@ def _oracle(model, continuations, corrupt=frozenset(), batch=4, draft_policy="fi
         continuations=continuations,
         corrupt=corrupt,
         draft_policy=draft_policy,
+        ngram=ngram,
         **kwargs,
     )
 
