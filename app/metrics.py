@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from model.engine import PROPOSERS
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -39,8 +41,10 @@ class Metrics:
         counter, m = self._counter, self.model_name
         # prometheus_client appends `_total` to counter names itself.
         drafts = counter("domino_spec_decode_num_drafts", "Verify steps (one per running request per step).")
-        draft_tokens = counter("domino_spec_decode_num_draft_tokens", "Draft tokens verified.")
-        accepted = counter("domino_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        # `proposer`: who proposed the drafts, the drafter ("drafter") or an n-gram copy ("ngram");
+        # sums over it keep the meaning these counters had before the label.
+        draft_tokens = counter("domino_spec_decode_num_draft_tokens", "Draft tokens verified.", ("proposer",))
+        accepted = counter("domino_spec_decode_num_accepted_tokens", "Draft tokens accepted.", ("proposer",))
         self._accepted_per_pos = counter(
             "domino_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.", ("position",)
         )
@@ -49,8 +53,8 @@ class Metrics:
         success = counter("domino_request_success", "Finished requests by finish reason.", ("finished_reason",))
         errors = counter("domino_request_errors", "Requests that failed during generation.")
         self.num_drafts = drafts.labels(m)
-        self.num_draft_tokens = draft_tokens.labels(m)
-        self.num_accepted_tokens = accepted.labels(m)
+        self.num_draft_tokens = {p: draft_tokens.labels(m, p) for p in PROPOSERS}
+        self.num_accepted_tokens = {p: accepted.labels(m, p) for p in PROPOSERS}
         self.accepted_per_position = [self._accepted_per_pos.labels(m, str(p)) for p in range(num_draft_positions)]
         self.prompt_tokens = prompt_tokens.labels(m)
         self.generation_tokens = generation_tokens.labels(m)

@@ -42,7 +42,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         device,
     )
     started = time.monotonic()
-    kwargs: dict[str, Any] = {"draft_policy": settings.draft_policy}
+    kwargs: dict[str, Any] = {"draft_policy": settings.draft_policy, "ngram": settings.ngram}
     if settings.block_size is not None:
         kwargs["max_drafts"] = settings.block_size
     engine, tokenizer = build_engine(

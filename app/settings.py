@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Mode = Literal["domino", "dflash", "ar"]
+Mode = Literal["domino", "dflash", "ngram", "ar"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -22,6 +22,11 @@ class Settings(BaseSettings):
         None, description="drafter checkpoint directory (default: the one shipped for the default target)"
     )
     mode: Mode = Field("domino", description="speculation mode; falls back to 'ar' when no drafter fits")
+    ngram: bool = Field(
+        True,
+        description="in domino/dflash modes, also propose n-gram copies from each request's own prompt and output "
+        "(prompt lookup); the policy picks per request and step whichever is expected to pay more",
+    )
     block_size: int | None = Field(
         None, ge=1, description="at most this many draft tokens verified per step (default: all the drafter proposes)"
     )

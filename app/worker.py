@@ -452,8 +452,9 @@ class EngineWorker:
         if out.is_verify_step:
             accepted = len(out.step_accepted)
             m.num_drafts.inc()
-            m.num_draft_tokens.inc(out.step_draft_tokens)
-            m.num_accepted_tokens.inc(accepted)
+            if out.step_proposer is not None:
+                m.num_draft_tokens[out.step_proposer].inc(out.step_draft_tokens)
+                m.num_accepted_tokens[out.step_proposer].inc(accepted)
             for pos in out.step_accepted:
                 m.accepted_position(pos).inc()
             m.acceptance_length.observe(accepted + 1)

@@ -4,9 +4,11 @@ Modes run interleaved prompt by prompt (so machine drift hits them alike), all g
   hf-generate       transformers `generate(do_sample=False)` (the reference for speed and output)
   hf-prompt-lookup  transformers prompt-lookup decoding
   ar                our engine, no drafts
+  ngram             our engine with n-gram copies from the prompt and output only (no drafter)
   dflash            our engine with the DFlash-only baseline drafter (--dflash-drafter)
   domino            our engine with the Domino drafter, head on
   domino-head-off   the Domino drafter with its head off (base logits only)
+dflash, domino and domino-head-off also propose n-gram copies unless --no-ngram.
 Decode speed counts tokens after the first, over the time after the first token arrived.
 """
 
@@ -32,10 +34,10 @@ from model.loading import (
     eos_token_ids,
     load_target,
 )
-from model.target import TargetModel
 from model.prompts import load_prompt_file
+from model.target import TargetModel
 
-ALL_MODES = ("hf-generate", "hf-prompt-lookup", "ar", "dflash", "domino", "domino-head-off")
+ALL_MODES = ("hf-generate", "hf-prompt-lookup", "ar", "ngram", "dflash", "domino", "domino-head-off")
 
 
 class _FirstTokenClock(BaseStreamer):
@@ -101,13 +103,21 @@ def margin_at(model: PreTrainedModel, prompt: list[int], ref: list[int], pos: in
 
 
 def build_engines(
-    target: TargetModel, modes: list[str], domino: Drafter | None, dflash: Drafter | None, eos: list[int], max_len: int
+    target: TargetModel,
+    modes: list[str],
+    domino: Drafter | None,
+    dflash: Drafter | None,
+    eos: list[int],
+    max_len: int,
+    ngram: bool = True,
 ) -> dict[str, Engine]:
     engines: dict[str, Engine] = {}
-    kw = dict(max_batch_size=1, max_model_len=max_len, eos_token_ids=eos)
+    kw = dict(max_batch_size=1, max_model_len=max_len, eos_token_ids=eos, ngram=ngram)
     for mode in modes:
         if mode == "ar":
             engines[mode] = Engine(target, None, mode="ar", **kw)
+        elif mode == "ngram":
+            engines[mode] = Engine(target, None, mode="ngram", **kw)
         elif mode == "domino":
             engines[mode] = Engine(target, domino, mode="domino", **kw)
         elif mode == "domino-head-off":
@@ -137,6 +147,13 @@ def summarize(records: dict[str, list[dict[str, Any]]], num_drafts: dict[str, in
                     counts[i] += c
             per_pos = [c / steps for c in counts]
         mismatches = [r for r in recs if r.get("mismatch") is not None]
+        by_proposer = {
+            who: {
+                "draft_tokens": sum(r.get("draft_tokens_by_proposer", {}).get(who, 0) for r in recs),
+                "accepted_tokens": sum(r.get("accepted_tokens_by_proposer", {}).get(who, 0) for r in recs),
+            }
+            for who in ("drafter", "ngram")
+        }
         modes[mode] = {
             "decode_tokens_per_s": speed,
             "speedup": speed / base_speed if base_speed else None,
@@ -148,6 +165,7 @@ def summarize(records: dict[str, list[dict[str, Any]]], num_drafts: dict[str, in
             "ttft_s_mean": sum(r["ttft_s"] for r in recs) / len(recs),
             "acceptance_by_position": per_pos,
             "acceptance_lengths": taus,
+            "by_proposer": by_proposer if taus else None,
             "per_prompt_speedup": [
                 (r["decode_tokens"] / r["decode_s"]) / (b["decode_tokens"] / b["decode_s"])
                 if base and r["decode_s"] > 0 and b["decode_s"] > 0
@@ -168,15 +186,19 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     stem = json_path.with_suffix("")
     lines = [
-        "| mode | decode tok/s | speedup vs hf-generate | τ mean | greedy mismatches | prompts | new tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | decode tok/s | speedup vs hf-generate | τ mean | accepted drafter / ngram | greedy mismatches "
+        "| prompts | new tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in result["modes"].items():
         sp = f"{m['speedup']:.2f}×" if m["speedup"] is not None else "–"
         tau = f"{m['tau_mean']:.2f}" if m["tau_mean"] is not None else "–"
         mm = "–" if m["greedy_mismatches"] is None else str(m["greedy_mismatches"])
+        bp = m.get("by_proposer")
+        who = f"{bp['drafter']['accepted_tokens']} / {bp['ngram']['accepted_tokens']}" if bp else "–"
         lines.append(
-            f"| {mode} | {m['decode_tokens_per_s']:.1f} | {sp} | {tau} | {mm} | {m['prompts']} | {m['new_tokens']} |"
+            f"| {mode} | {m['decode_tokens_per_s']:.1f} | {sp} | {tau} | {who} | {mm} | {m['prompts']} "
+            f"| {m['new_tokens']} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -227,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--json", default="bench/results/engine.json")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-ngram", action="store_true", help="drafter modes without n-gram copies")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,8 +268,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     domino = load_drafter(domino_path, target_config=model.config) if domino_path else None
     dflash = load_drafter(dflash_path, target_config=model.config) if dflash_path else None
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
-    engines = build_engines(target, modes, domino, dflash, eos, max_len)
-    num_drafts = {m: e.num_drafts for m, e in engines.items()}
+    engines = build_engines(target, modes, domino, dflash, eos, max_len, ngram=not args.no_ngram)
+    num_drafts = {m: e.max_drafts_per_step for m, e in engines.items()}
 
     records: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     # Warm-up outside the measurement (first calls allocate and pick kernels).
@@ -276,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if stats is not None:
                 rec["acceptance_lengths"] = list(stats.acceptance_lengths)
                 rec["accepted_per_position"] = list(stats.accepted_per_position)
+                rec["draft_tokens_by_proposer"] = dict(stats.draft_tokens_by_proposer)
+                rec["accepted_tokens_by_proposer"] = dict(stats.accepted_tokens_by_proposer)
             if ref is not None and mode != "hf-generate" and tokens != ref:
                 pos = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b), min(len(tokens), len(ref)))
                 rec["mismatch"] = {"prompt": i, "position": pos, "top1_top2_margin": margin_at(model, prompt, ref, pos)}
@@ -292,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompts_file": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
+        "ngram": not args.no_ngram,
         "torch": torch.__version__,
     }
     write_reports(result, Path(args.json))

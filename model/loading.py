@@ -120,7 +120,7 @@ def build_engine(
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, torch_dtype, dev)
     draft_model: Drafter | None = None
-    if mode != "ar":
+    if mode not in ("ar", "ngram"):  # ngram needs no drafter
         path: Path | None = resolve_checkpoint(drafter) if drafter else None
         if path is None and target == DEFAULT_TARGET:
             path = default_drafter_path(mode)

@@ -10,6 +10,11 @@ each step picks the draft count k that maximises expected committed tokens per s
 and compares it with plain decoding, rate_ar = R / t_verify(R, 1). That look-ahead choice is only
 used for greedy rows, whose output does not depend on how many drafts are verified. Sampling rows
 use a row-local stopping rule (`stopping_drafts`) that is lossless and independent of the batch.
+
+N-gram copies (model/ngram.py) are a second, free proposal: `NgramAcceptance` learns their
+acceptance per match length and slot from verify steps, which gives their E_r(k) in the same
+formula; greedy rows take the better proposal at the chosen width, sampling rows choose from what
+is known before their first draft is drawn (see `Engine._choose`).
 """
 
 from __future__ import annotations

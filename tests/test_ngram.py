@@ -310,3 +310,18 @@ def test_sampling_with_ngram_matches_target_distribution(
     wrong_p = _chi_square(counts, wrong, n)
     print(f"  against T x 1.15: p-value {wrong_p:.3g}")
     assert wrong_p < ALPHA
+
+
+def test_metrics_split_draft_counters_by_proposer() -> None:
+    from prometheus_client import generate_latest
+
+    from app.metrics import Metrics
+
+    m = Metrics("tiny", 4, 2)
+    m.num_draft_tokens["ngram"].inc(3)
+    m.num_accepted_tokens["ngram"].inc(2)
+    text = generate_latest(m.registry).decode()
+    # Both series exist from the start (rate() and sums work before the first copy is accepted).
+    assert 'domino_spec_decode_num_draft_tokens_total{model_name="tiny",proposer="ngram"} 3.0' in text
+    assert 'domino_spec_decode_num_accepted_tokens_total{model_name="tiny",proposer="ngram"} 2.0' in text
+    assert 'domino_spec_decode_num_accepted_tokens_total{model_name="tiny",proposer="drafter"} 0.0' in text
