@@ -139,6 +139,8 @@ async def collect(request: Request, service: Service, handle: RequestHandle) -> 
         while finished < len(handle.specs):
             event = await handle.events.get()
             per_choice[event.index].append(event)
+            if event.finish_reason == "error":
+                return  # the whole response fails with this choice
             if event.finish_reason is not None:
                 finished += 1
 
@@ -154,6 +156,10 @@ async def collect(request: Request, service: Service, handle: RequestHandle) -> 
     if not gather_task.done() or gather_task.cancelled():
         return None
     gather_task.result()
+    failed = next((events[-1] for events in per_choice if events and events[-1].finish_reason == "error"), None)
+    if failed is not None:
+        service.worker.abort(handle)  # the other choices would run on to max_tokens for nothing
+        raise generation_error(failed)
     return [ChoiceResult.from_events(events) for events in per_choice]
 
 
