@@ -102,7 +102,9 @@ def test_onehot_draft_single_position_matches_p() -> None:
     torch.manual_seed(0)
     n, v = 200_000, 6
     p = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15, 0.0])
-    drafts = torch.randint(0, v, (n,))  # any deterministic proposal per row, even a zero-mass token
+    # Copies are fixed per context, not drawn: mostly one token (a uniform mix of drafts would hide
+    # a rejection that resamples from p instead of the residual), some rows a zero-mass token.
+    drafts = torch.tensor([1, 1, 1, 3, 3, 5])[torch.randint(0, 6, (n,))]
     target = torch.stack([p, p]).expand(n, 2, v)
     accepted, bonus = verify_sampling(
         target,
