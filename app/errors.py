@@ -98,7 +98,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
-    first = errors[0]
+    # An unknown field is reported before the errors a union's other branches raise about it.
+    first = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
     if first.get("type") == "json_invalid":
         return bad_request(
             f"request body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})", code="invalid_json"
@@ -107,6 +108,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "missing":
         msg = "field required"
+    if first.get("type") == "extra_forbidden":  # OpenAI's own answer to a field it does not know
+        msg = "unrecognized request argument (not part of the API this server implements)"
     if param is None:
         msg = "request body must be a JSON object"
     return bad_request(f"{param}: {msg}" if param else msg, param=param)

@@ -1,8 +1,10 @@
 """Wire format: OpenAI-compatible request and response models.
 
-Requests are strict (no string-to-number coercion, no NaN/inf) and ignore unknown fields, as
-OpenAI clients send fields this server does not implement. Numbers that depend on the deployment
-(n, stop counts, context length) are checked in the routes against the settings.
+Requests are strict (no string-to-number coercion, no NaN/inf) and closed: a field that is not part
+of the API gets a 400 naming it, and so does an OpenAI field this server does not honour, unless it
+carries the value that means "off" (a silent drop would answer as if it had been honoured). Fields
+that only concern billing or tracing (`IGNORED_FIELDS`) are accepted and ignored. Numbers that depend
+on the deployment (n, stop counts, context length) are checked in the routes against the settings.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from model.engine import SamplingParams
 
@@ -50,8 +53,59 @@ def _first_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+# OpenAI fields that only concern billing, tracing or storage on OpenAI's side: they change nothing
+# in the output, so they are accepted and ignored.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+def _is_zero(value: Any) -> bool:
+    return value == 0
+
+
+def _is_empty(value: Any) -> bool:
+    return not value
+
+
+# OpenAI fields this server does not honour: (accepted when, why not / what to use instead). Any
+# other value gets a 400 naming the field; null is always accepted (it means the default, "off").
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "frequency_penalty": (_is_zero, "only 0 is accepted (penalties are not implemented yet)"),
+    "presence_penalty": (_is_zero, "only 0 is accepted (penalties are not implemented yet)"),
+    "logit_bias": (_is_empty, "only {} is accepted (not implemented yet)"),
+    "response_format": (
+        lambda v: v == {"type": "text"},
+        "only {'type': 'text'} is accepted: json_object and json_schema need constrained decoding, "
+        "which is not available yet",
+    ),
+    "functions": (_is_empty, "deprecated by OpenAI; use tools"),
+    "function_call": (lambda v: v == "none", "deprecated by OpenAI; use tool_choice"),
+    "audio": (lambda v: False, "audio output is not available"),
+    "modalities": (lambda v: v == ["text"], "only ['text'] is accepted"),
+    "prediction": (lambda v: False, "predicted outputs are not available"),
+    "reasoning_effort": (
+        lambda v: False,
+        "for Qwen3, chat_template_kwargs.enable_thinking switches thinking off",
+    ),
+    "verbosity": (lambda v: False, "there is no verbosity control"),
+    "web_search_options": (lambda v: False, "web search is not available"),
+    "suffix": (_is_empty, "only an empty suffix is accepted (insertion is not implemented)"),
+}
+
+
+def _reject_unless_off(value: Any, info: ValidationInfo) -> Any:
+    accepted, why = UNSUPPORTED[str(info.field_name)]
+    if value is not None and not accepted(value):
+        raise ValueError(f"not supported by this server; {why}")
+    return value
+
+
+def _unsupported(description: str = "not supported: only null or the value meaning 'off'") -> Any:
+    return Field(None, description=description)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    # Closed: an unknown field is an error (app.errors names it), never silently dropped.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
@@ -66,7 +120,18 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingFields(_Request):
+class IgnoredFields(_Request):
+    """OpenAI's billing/tracing fields: accepted, and ignored (they do not change the output)."""
+
+    user: str | None = Field(None, description="accepted and ignored")
+    metadata: dict[str, str] | None = Field(None, description="accepted and ignored")
+    store: bool | None = Field(None, description="accepted and ignored (nothing is stored)")
+    service_tier: str | None = Field(None, description="accepted and ignored")
+    safety_identifier: str | None = Field(None, description="accepted and ignored")
+    prompt_cache_key: str | None = Field(None, description="accepted and ignored")
+
+
+class SamplingFields(IgnoredFields):
     """Fields shared by completions and chat completions. `None` means the default."""
 
     model: str | None = None
@@ -80,6 +145,11 @@ class SamplingFields(_Request):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = _unsupported("only 0: penalties are not implemented yet")
+    presence_penalty: float | None = _unsupported("only 0: penalties are not implemented yet")
+    logit_bias: dict[str, float] | None = _unsupported("only {}: not implemented yet")
+
+    _off_sampling = field_validator("frequency_penalty", "presence_penalty", "logit_bias")(_reject_unless_off)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -127,6 +197,18 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
+    best_of: int | None = Field(None, ge=1, description="only equal to n: best-of selection is not implemented")
+    suffix: str | None = _unsupported("only empty: insertion is not implemented")
+
+    _off_completion = field_validator("suffix")(_reject_unless_off)
+
+    @field_validator("best_of", mode="after")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"not supported by this server; only best_of = n ({n}) is accepted (no best-of selection)")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -195,6 +277,27 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # Only the switches the served template reads are passed on (Service.check_template_kwargs).
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
+    response_format: dict[str, Any] | None = _unsupported("only {'type': 'text'}: no structured output yet")
+    functions: list[Any] | None = _unsupported("deprecated by OpenAI and not supported: use tools")
+    function_call: str | dict[str, Any] | None = _unsupported("deprecated by OpenAI and not supported: use tool_choice")
+    audio: dict[str, Any] | None = _unsupported("not supported")
+    modalities: list[str] | None = _unsupported("only ['text']")
+    prediction: dict[str, Any] | None = _unsupported("not supported")
+    reasoning_effort: str | None = _unsupported("not supported (Qwen3: chat_template_kwargs.enable_thinking)")
+    verbosity: str | None = _unsupported("not supported")
+    web_search_options: dict[str, Any] | None = _unsupported("not supported")
+
+    _off_chat = field_validator(
+        "response_format",
+        "functions",
+        "function_call",
+        "audio",
+        "modalities",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+    )(_reject_unless_off)
 
     @field_validator("chat_template_kwargs", mode="after")
     @classmethod

@@ -1,0 +1,128 @@
+"""No silent drops (issue #16): a field this server does not honour gets a 400 naming it, never a 200
+that ignores it; unknown fields too. Billing/tracing fields are accepted and ignored, and every
+unsupported field is accepted with the value that means "off".
+
+Before the fix every request below was answered 200 with free text (unknown fields were dropped)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess, metric, scrape_metrics
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+BASE = {COMPLETIONS: {"prompt": "Hello", "max_tokens": 2}, CHAT: {"messages": HI, "max_tokens": 2}}
+
+# (endpoint, extra body, the `param` the 400 must name)
+REJECTED: list[tuple[str, dict[str, Any], str]] = [
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+        "response_format",
+    ),
+    (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
+    (COMPLETIONS, {"logit_bias": {"5": 10}}, "logit_bias"),
+    (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
+    (COMPLETIONS, {"frequency_penalty": -1.0}, "frequency_penalty"),
+    (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    (CHAT, {"function_call": "auto"}, "function_call"),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CHAT, {"reasoning_effort": "low"}, "reasoning_effort"),
+    (CHAT, {"verbosity": "low"}, "verbosity"),
+    (CHAT, {"web_search_options": {}}, "web_search_options"),
+    (CHAT, {"top_logprobs": 6, "logprobs": True}, "top_logprobs"),
+    (COMPLETIONS, {"logprobs": 20}, "logprobs"),
+    (COMPLETIONS, {"best_of": 3}, "best_of"),
+    (COMPLETIONS, {"suffix": "!"}, "suffix"),
+    # Not part of the API at all (or vLLM extensions this server does not implement).
+    (COMPLETIONS, {"frobnicate": {"x": 1}}, "frobnicate"),
+    (CHAT, {"min_p": 0.1}, "min_p"),
+    (CHAT, {"repetition_penalty": 1.2}, "repetition_penalty"),
+    (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
+    (CHAT, {"echo": True}, "echo"),
+    (CHAT, {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, None),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages[0].extra"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]},
+        "messages[0].content[0].cache",
+    ),
+]
+
+
+def prompt_tokens(server: ServerProcess) -> float:
+    return metric(scrape_metrics(server.url), "domino_prompt_tokens_total")
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), REJECTED, ids=[f"{p[4:]}-{next(iter(e))}" for p, e, _ in REJECTED])
+def test_fields_not_honoured_get_400_naming_them(
+    server: ServerProcess, path: str, extra: dict[str, Any], param: str | None
+) -> None:
+    before = prompt_tokens(server)
+    r = httpx.post(server.url + path, json={**BASE[path], **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    if param is None:  # nested: the param names the path into the body
+        assert err["param"] == "stream_options.continuous_usage_stats", err
+    else:
+        assert err["param"] == param, err
+        assert err["message"].startswith(param + ":"), err
+    assert "not supported" in err["message"] or "unrecognized" in err["message"] or "less than" in err["message"]
+    assert prompt_tokens(server) == before  # refused before any generation
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_billing_and_tracing_fields_are_accepted_and_ignored(server: ServerProcess, path: str) -> None:
+    extra = {
+        "user": "u-1",
+        "metadata": {"team": "a"},
+        "store": False,
+        "service_tier": "auto",
+        "safety_identifier": "s-1",
+        "prompt_cache_key": "k",
+    }
+    plain = httpx.post(server.url + path, json={**BASE[path], "temperature": 0}, timeout=30).json()
+    r = httpx.post(server.url + path, json={**BASE[path], **extra, "temperature": 0}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"] == plain["choices"]
+
+
+def test_off_values_of_unsupported_fields_are_accepted(server: ServerProcess) -> None:
+    chat = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "functions": [],
+        "function_call": "none",
+        "audio": None,
+        "reasoning_effort": None,
+    }
+    r = httpx.post(server.url + CHAT, json={**BASE[CHAT], **chat}, timeout=30)
+    assert r.status_code == 200, r.text
+    comp = {"presence_penalty": 0, "logit_bias": {}, "best_of": 2, "n": 2, "suffix": ""}
+    r = httpx.post(server.url + COMPLETIONS, json={**BASE[COMPLETIONS], **comp}, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_openai_sdk_sees_the_400(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, response_format={"type": "json_object"})
+    assert err.value.param == "response_format" and "constrained decoding" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, presence_penalty=0.5)
+    assert err.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, extra_body={"min_tokens": 3})
+    assert err.value.param == "min_tokens"
