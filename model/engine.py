@@ -652,10 +652,17 @@ class Engine:
         ]
 
         # All work is done: now advance the caches (rejected positions are simply not counted).
-        self.cache.lengths[lo:hi] += accepted + 1
+        # The drafter's context first, rolled back if it fails: the target cache then moves only once
+        # nothing can fail, so a retry of this step (step() retries row by row) starts where it did.
         if self.drafter is not None:
             assert self.draft_cache is not None and out.features is not None
-            self.drafter.append_context(self.draft_cache, lo, out.features, accepted + 1)
+            draft_lengths = self.draft_cache.lengths[lo:hi].clone()
+            try:
+                self.drafter.append_context(self.draft_cache, lo, out.features, accepted + 1)
+            except BaseException:
+                self.draft_cache.lengths[lo:hi] = draft_lengths
+                raise
+        self.cache.lengths[lo:hi] += accepted + 1
         t2 = time.perf_counter()
         self.last_timing = StepTiming("decode", r, t1 - t0, t2 - t1, k)
 

@@ -281,3 +281,40 @@ def test_logprobs_are_the_targets() -> None:
         assert lp.token_id == tokens[i]
         assert abs(lp.logprob - float(ref[i, tokens[i]])) < 1e-4
         assert [t for t, _ in lp.top] == ref[i].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int) -> None:
+    """A decode step that fails in the drafter's append_context (after the verify forward) is retried
+    row by row; the target cache must not have advanced for it, nor the drafter's context, so the
+    retry continues exactly where the failed step started: output token-identical to the target alone."""
+    model = tiny_target()
+    prompts = _prompts(3)
+    budgets = [14, 9, 12]
+    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    engine = _engine(model, "domino", 3, draft_policy="fixed")
+    assert engine.drafter is not None
+    real_append = engine.drafter.append_context
+    calls = 0
+
+    def flaky_append(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == fail_at + 1:  # the first call is the prefill's
+            real_append(*args, **kwargs)  # the write may be done in part before a failure
+            raise RuntimeError("drafter append failed")
+        return real_append(*args, **kwargs)
+
+    engine.drafter.append_context = flaky_append
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=n))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        r = engine.num_running
+        assert engine.draft_cache is not None
+        assert engine.draft_cache.lengths[:r].tolist() == engine.cache.lengths[:r].tolist()
+    assert calls > fail_at + 1
+    assert [tokens[str(i)] for i in range(3)] == refs
