@@ -18,6 +18,10 @@ from app.settings import Settings
 
 log = logging.getLogger("app.main")
 
+# Exit status when the model worker died: the orchestrator (Docker/compose restart policy, Kubernetes)
+# restarts the process, which is the only way back to a working engine.
+EXIT_WORKER_DIED = 3
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -54,9 +58,22 @@ class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT first mark the service as draining (health 503, new requests 503), then let
     uvicorn stop accepting connections and wait for in-flight responses up to drain_timeout."""
 
-    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_drain: Callable[[], None], worker_failed: Callable[[], bool] = lambda: False
+    ) -> None:
         super().__init__(config)
         self.on_drain = on_drain
+        self.worker_failed = worker_failed
+        self.failed = False
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop ticks every 0.1 s: a dead worker starts the same drain as SIGTERM.
+        if not self.failed and not self.should_exit and self.worker_failed():
+            self.failed = True
+            log.error("the model worker died: draining, then exiting with status %d to be restarted", EXIT_WORKER_DIED)
+            self.on_drain()
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -96,10 +113,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]  # float is fine
         lifespan="on",
     )
-    server = DrainingServer(config, app.state.begin_drain)
+    server = DrainingServer(
+        config,
+        app.state.begin_drain,
+        lambda: app.state.service is not None and app.state.service.worker.failed,
+    )
     server.run()
     if not server.started:
         sys.exit(1)  # startup (model loading) failed; uvicorn logged why
+    if server.failed:
+        sys.exit(EXIT_WORKER_DIED)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ from model.engine import Engine, RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 # Consecutive failures of engine.step() as a whole (not of one request) before the worker gives up
-# and reports itself unhealthy.
+# and reports itself unhealthy. Steps in which every request failed the same way in prefill or verify
+# (a sticky CUDA error, OOM) count alike: the engine isolates them per request, but then no request
+# can succeed and only a restart helps.
 MAX_STEP_FAILURES = 3
 
 
@@ -39,6 +41,10 @@ class Overloaded(Exception):
 
 class Unavailable(Exception):
     """The worker is draining, stopped or dead (503)."""
+
+
+class EngineUnhealthy(Exception):
+    """Engine steps keep failing every request the same way: the worker ends."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,11 @@ class EngineWorker:
         self.in_flight = 0  # sequences admitted and not finished (event-loop side)
         self.draining = False
         self.alive = False
+        self.failed = False  # the thread ended without stop(): the process should be restarted
+        self._stopping = False
+        self._pending: set[RequestHandle] = set()  # submitted, admission not yet answered (loop side)
+        self._error_streak = 0  # consecutive steps in which every output failed, with the same error
+        self._error_kind = ""
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -275,6 +286,7 @@ class EngineWorker:
         assert self._loop is not None
         handle = RequestHandle(f"req{next(self._ids)}", specs, self._loop)
         self.in_flight += len(specs)
+        self._pending.add(handle)
         self.inbox.put(_Command("add", handle))
         try:
             await asyncio.shield(handle.admitted)
@@ -296,6 +308,7 @@ class EngineWorker:
                 self.in_flight -= 1
 
     def _admitted(self, handle: RequestHandle, error: BaseException | None) -> None:
+        self._pending.discard(handle)
         if error is not None:
             # Nothing of this request runs: release its reservation.
             self.in_flight -= handle.remaining
@@ -312,9 +325,15 @@ class EngineWorker:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.call_later, deadline, self.inbox.put, _Command("fail_all"))
 
+    def _fail_pending(self) -> None:
+        """The thread has ended: whatever still waits for admission will never get it (503 at once)."""
+        for handle in list(self._pending):
+            self._admitted(handle, Unavailable("the model worker stopped"))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the thread."""
         self.draining = True
+        self._stopping = True
         self.inbox.put(_Command("stop"))
         if self._thread is not None:
             self._thread.join(timeout)
@@ -337,6 +356,8 @@ class EngineWorker:
                     try:
                         self._step()
                         failures = 0
+                    except EngineUnhealthy:
+                        raise
                     except Exception:  # noqa: BLE001 - the engine isolates per-request failures itself
                         failures += 1
                         log.exception("engine step failed (%d in a row); failing the requests in it", failures)
@@ -348,10 +369,12 @@ class EngineWorker:
             log.exception("model worker stopped")
         finally:
             self.alive = False
+            self.failed = not self._stopping
             self._fail_all(
                 "the server shut down before the request finished" if self.draining else "the model worker stopped"
             )
             self._update_gauges()
+            self._post(self._fail_pending)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -433,6 +456,24 @@ class EngineWorker:
             batch.append((state.handle, event))
         if batch:
             self._post(self._deliver, batch)
+        self._check_errors(outputs)
+
+    def _check_errors(self, outputs: list[RequestOutput]) -> None:
+        """Raise EngineUnhealthy after MAX_STEP_FAILURES steps in a row in which requests failed in the
+        engine with the same kind of error and none made progress."""
+        errors = [o.error or "" for o in outputs if o.finish_reason == "error"]
+        if any(o.new_token_ids for o in outputs) or not errors:
+            if any(o.new_token_ids for o in outputs):
+                self._error_streak = 0
+            return
+        kind = errors[0].split(":", 1)[0]
+        same = kind == self._error_kind and all(e.split(":", 1)[0] == kind for e in errors)
+        self._error_streak = self._error_streak + 1 if same else 1
+        self._error_kind = kind
+        if self._error_streak >= MAX_STEP_FAILURES:
+            raise EngineUnhealthy(
+                f"{self._error_streak} engine steps in a row failed every request ({errors[0]}); giving up"
+            )
 
     def _process(self, state: _SeqState, out: RequestOutput, t0: float, t1: float) -> SeqEvent:
         m = self.metrics
