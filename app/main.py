@@ -111,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]  # float is fine
+        limit_concurrency=settings.limit_concurrency,
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # float is fine
         lifespan="on",
     )
     server = DrainingServer(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -11,15 +12,17 @@ from app.errors import APIError, bad_request
 
 class GuardMiddleware:
     """401 for /v1 routes without the right bearer token; 415 for POST bodies that are not JSON; 413
-    for bodies over the limit.
+    for bodies over the limit; 408 for a body not received within body_timeout seconds (a client
+    trickling its body must not hold a connection and a request slot for ever).
 
     The body is read here (bounded) and replayed to the app, so the limit holds whether or not the
     client sent Content-Length, and FastAPI never sees an oversized body."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int, body_timeout: float = 30.0) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,7 +58,18 @@ class GuardMiddleware:
             )
             await err.response()(scope, receive, send)
             return
-        body = await self._read_body(scope, receive, send)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                body = await self._read_body(scope, receive, send)
+        except TimeoutError:
+            err = APIError(
+                408,
+                f"the request body was not received within {self.body_timeout:g} s",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+            await err.response()(scope, receive, send)
+            return
         if body is None:
             return
         replayed = False

@@ -105,7 +105,12 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
         openapi_url="/openapi.json",  # the schema clients and fuzzers read, as vLLM serves it
     )
     app.state.service = None
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_request_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body=settings.max_request_bytes,
+        body_timeout=settings.body_read_timeout,
+    )
     install_error_handlers(app)
 
     def begin_drain() -> None:

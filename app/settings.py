@@ -57,6 +57,14 @@ class Settings(BaseSettings):
         5.0, gt=0, description="seconds a request's prompt may take to render and tokenize (400 beyond)"
     )
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests may run on after SIGTERM")
+    # Bounds on what one client can hold: connections, idle keep-alives, a body sent slowly.
+    limit_concurrency: int = Field(
+        1024, ge=1, description="open connections (and requests) at most; beyond, uvicorn answers 503"
+    )
+    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    body_read_timeout: float = Field(
+        30.0, gt=0, description="seconds a client may take to send a request body (408 beyond)"
+    )
     log_level: LogLevel = "info"
 
     @model_validator(mode="after")
