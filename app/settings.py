@@ -38,6 +38,12 @@ class Settings(BaseSettings):
     dtype: Dtype = "auto"
     device: str = "auto"
     served_model_name: str | None = Field(None, description="model id clients send (default: derived from target)")
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
+        "auto",
+        description="chat answers split into reasoning_content (the <think> block) and content: qwen3 (a leading "
+        "<think>, or one the prompt opened), deepseek_r1 (the answer starts in the reasoning), none; auto: qwen3 "
+        "when the chat template mentions <think>",
+    )
 
     # -- scheduling -------------------------------------------------------------------------------
     max_batch_size: int = Field(8, ge=1, description="rows the engine runs together (running requests)")
