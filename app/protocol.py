@@ -9,13 +9,23 @@ on the deployment (n, stop counts, context length) are checked in the routes aga
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from model.engine import SamplingParams
 
@@ -29,6 +39,7 @@ MAX_STOP_BYTES = 4096  # all stop strings together, UTF-8
 MAX_MESSAGES = 512
 MAX_MESSAGE_CHARS = 1 << 17  # per message (the body limit caps the total)
 MAX_TEMPLATE_KWARG_CHARS = 256  # a string value of chat_template_kwargs
+MAX_TOOLS = 128  # as OpenAI allows
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -233,10 +244,48 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallIn(_Request):
+    name: str = Field(max_length=256)
+    arguments: str = Field(description="the call's arguments: a JSON object, as a string")
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant message made (history)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def template_form(self) -> dict[str, Any]:
+        """As chat templates expect it (HF convention): arguments as an object where they parse as one."""
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        if not isinstance(args, dict):
+            args = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant messages: the calls it made")
+    tool_call_id: str | None = Field(None, max_length=256, description="tool messages: the call answered")
+    reasoning_content: str | None = Field(
+        None, max_length=MAX_MESSAGE_CHARS, description="assistant messages: their thinking (as this server returns it)"
+    )
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.role != "assistant" and (self.tool_calls is not None or self.reasoning_content is not None):
+            raise ValueError("tool_calls and reasoning_content belong to assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id belongs to tool messages")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -268,6 +317,28 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="true is not supported (needs constrained decoding)")
+
+    @field_validator("strict", mode="after")
+    @classmethod
+    def _not_strict(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError(
+                "not supported yet: strict schema adherence needs constrained decoding, which this server does "
+                "not have yet"
+            )
+        return value
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
@@ -286,6 +357,11 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: str | None = _unsupported("not supported (Qwen3: chat_template_kwargs.enable_thinking)")
     verbosity: str | None = _unsupported("not supported")
     web_search_options: dict[str, Any] | None = _unsupported("not supported")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="'auto' (default with tools) or 'none'; 'required' and named functions are not supported yet"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call is returned")
 
     _off_chat = field_validator(
         "response_format",
@@ -298,6 +374,23 @@ class ChatCompletionRequest(SamplingFields):
         "verbosity",
         "web_search_options",
     )(_reject_unless_off)
+
+    @field_validator("tool_choice", mode="after")
+    @classmethod
+    def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is None or value in ("none", "auto"):
+            return value
+        if value == "required" or isinstance(value, dict):
+            raise ValueError(
+                "not supported yet: 'required' and named functions need constrained decoding, which this server "
+                "does not have yet (use 'auto' or 'none')"
+            )
+        raise ValueError("must be 'none', 'auto', 'required' or a named function")
+
+    @property
+    def use_tools(self) -> bool:
+        """Whether tools are offered to the model (and its output parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @field_validator("chat_template_kwargs", mode="after")
     @classmethod
@@ -376,9 +469,38 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatMessageOut(_Response):
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int  # the call's position in the message (OpenAI's stream accumulates by it)
+
+
+class _OmitsAbsent(_Response):
+    """Keys that are only present when they carry something (a plain answer looks as before)."""
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class ChatMessageOut(_OmitsAbsent):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
@@ -398,9 +520,11 @@ class ChatCompletionResponse(_Response):
     spec_decode: SpecDecodeStats | None = None
 
 
-class DeltaMessage(_Response):
+class DeltaMessage(_OmitsAbsent):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -10,10 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from app.chat_output import ChatOutputParser
 from app.errors import APIError, bad_request, server_error
 from app.metrics import Metrics
 from app.protocol import ChatCompletionRequest, SamplingFields
+from app.reasoning import ReasoningParser, prompt_opens_reasoning, reasoning_mode
 from app.settings import Settings
+from app.tool_parser import CALL_START, ToolCallParser
 from app.worker import EngineWorker, Overloaded, RequestHandle, SequenceSpec, Unavailable
 from model.engine import Engine
 
@@ -67,6 +70,10 @@ class Service:
         self.metrics = Metrics(self.model_name, engine.num_drafts, engine.max_batch_size)
         self.worker = EngineWorker(engine, tokenizer, self.metrics, settings.max_waiting)
         self.template_kwargs = ALLOWED_TEMPLATE_KWARGS | _template_variables(tokenizer)
+        template = getattr(tokenizer, "chat_template", None)
+        self.reasoning = reasoning_mode(settings.reasoning_parser, template)
+        # Tools only where the template shows them to the model and asks for calls in the format parsed.
+        self.supports_tools = "tools" in _template_names(template) and CALL_START in str(template)
         # The rendered prompt may exceed the body only by the template's own text.
         self.max_rendered_chars = 4 * settings.max_request_bytes
         self._prepare_slots = asyncio.Semaphore(PREPARE_SLOTS)
@@ -130,6 +137,28 @@ class Service:
                     param=f"chat_template_kwargs.{key}",
                 )
         return dict(kwargs or {})
+
+    def check_tools(self, body: ChatCompletionRequest) -> None:
+        if body.tool_choice == "auto" and not body.tools:
+            raise bad_request("tool_choice: 'auto' needs tools", param="tool_choice")
+        if body.use_tools and not self.supports_tools:
+            raise bad_request(
+                f"tools: not supported for this model: its chat template does not render tools with the "
+                f"Hermes/Qwen3 {CALL_START} format this server parses",
+                param="tools",
+            )
+
+    def chat_parser(self, body: ChatCompletionRequest, prompt_text: str) -> ChatOutputParser:
+        """How one choice's text is split into reasoning, answer and tool calls."""
+        reasoning = None
+        if self.reasoning is not None:
+            in_reasoning = self.reasoning == "deepseek_r1" or prompt_opens_reasoning(prompt_text)
+            reasoning = ReasoningParser(in_reasoning)
+        tools = None
+        if body.use_tools:
+            names = {t.function.name for t in body.tools or []}
+            tools = ToolCallParser(names, max_calls=1 if body.parallel_tool_calls is False else None)
+        return ChatOutputParser(reasoning, tools)
 
     def check_prompt(self, prompt: Prompt, max_tokens: int, param: str, tokens_param: str) -> None:
         if not prompt.ids:
@@ -210,16 +239,22 @@ class Service:
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def render_chat(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
+        """The prompt's token ids and text."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions", param="messages")
         messages = []
         for m in body.messages:
             msg: dict[str, Any] = {"role": m.role, "content": m.text}
-            if m.name is not None:
-                msg["name"] = m.name
+            for key in ("name", "tool_call_id", "reasoning_content"):
+                if getattr(m, key) is not None:
+                    msg[key] = getattr(m, key)
+            if m.tool_calls is not None:
+                msg["tool_calls"] = [call.template_form() for call in m.tool_calls]
             messages.append(msg)
         kwargs = self.check_template_kwargs(body.chat_template_kwargs)
+        if body.use_tools:  # with tool_choice "none" the model is not shown them
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **kwargs
@@ -233,7 +268,7 @@ class Service:
                 f"messages: the rendered prompt has more than {self.max_rendered_chars} characters", param="messages"
             )
         # The template already wrote any BOS/special tokens it wants.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=False)), text
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -243,15 +278,19 @@ def _overloaded(message: str) -> APIError:
     return APIError(429, message, "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
-def _template_variables(tokenizer: Any) -> set[str]:
-    """Variables the tokenizer's chat template reads that a client may set (its documented switches)."""
-    template = getattr(tokenizer, "chat_template", None)
+def _template_names(template: Any) -> set[str]:
+    """Variables a chat template reads."""
     if not isinstance(template, str):
         return set()
     from jinja2 import Environment, meta
 
     try:
-        names = meta.find_undeclared_variables(Environment().parse(template))
+        return set(meta.find_undeclared_variables(Environment().parse(template)))
     except Exception:  # noqa: BLE001 - an unparsable template fails at render time with a 400
         return set()
+
+
+def _template_variables(tokenizer: Any) -> set[str]:
+    """Variables the tokenizer's chat template reads that a client may set (its documented switches)."""
+    names = _template_names(getattr(tokenizer, "chat_template", None))
     return {n for n in names if n not in TEMPLATE_GLOBALS | RESERVED_TEMPLATE_KWARGS}

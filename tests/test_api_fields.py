@@ -126,3 +126,15 @@ def test_openai_sdk_sees_the_400(server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, extra_body={"min_tokens": 3})
     assert err.value.param == "min_tokens"
+
+
+def test_tools_need_a_template_that_renders_them(server: ServerProcess) -> None:
+    # The shared tiny target's template has no tools: offering them would be a silent drop.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx.post(server.url + CHAT, json={**BASE[CHAT], "tools": tools}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    # tool_choice "none" does not offer them: accepted.
+    r = httpx.post(server.url + CHAT, json={**BASE[CHAT], "tools": tools, "tool_choice": "none"}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + CHAT, json={**BASE[CHAT], "tool_choice": "auto"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text

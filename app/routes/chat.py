@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.chat_output import ChatOutputParser
 from app.deps import ServiceDep
 from app.errors import ERROR_RESPONSES, bad_request
 from app.protocol import (
@@ -15,7 +18,10 @@ from app.protocol import (
     ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
+    FunctionCallOut,
     SpecDecodeStats,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
     new_id,
     now,
@@ -27,11 +33,27 @@ from app.worker import SeqEvent
 router = APIRouter(responses=ERROR_RESPONSES)
 
 
-class ChatStream:
-    """SSE chunks of /v1/chat/completions: deltas carry only the keys that changed."""
+def finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    # A call ends the turn: the client runs it and answers. A cut answer stays "length".
+    return "tool_calls" if called_tools and reason == "stop" else reason
 
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool) -> None:
+
+class ChatStream:
+    """SSE chunks of /v1/chat/completions: deltas carry only the keys that changed; reasoning and
+    tool calls are split out of each choice's text as it streams."""
+
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        num_choices: int,
+        new_parser: Callable[[], ChatOutputParser],
+    ) -> None:
         self.rid, self.created, self.model = rid, created, model
+        self.parsers = [new_parser() for _ in range(num_choices)]
+        self.calls = [0] * num_choices  # tool calls sent per choice (their stream index)
         # With include_usage every chunk carries "usage": null, as OpenAI's do.
         self.omit: tuple[str, ...] = ("spec_decode",) if include_usage else ("usage", "spec_decode")
 
@@ -50,11 +72,24 @@ class ChatStream:
         return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None) for i in range(num_choices)]
 
     def event(self, event: SeqEvent, spec: SpecDecodeStats | None) -> str | None:
-        if not event.text and event.finish_reason is None and not event.logprobs:
+        i = event.index
+        parsed = self.parsers[i].feed(event.text, final=event.finish_reason is not None)
+        calls = []
+        for call in parsed.tool_calls:  # each complete call in one delta: id, name and all arguments
+            calls.append(
+                ToolCallDelta(
+                    index=self.calls[i], id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)
+                )
+            )
+            self.calls[i] += 1
+        if not (parsed.reasoning or parsed.content or calls) and event.finish_reason is None and not event.logprobs:
             return None
-        delta = DeltaMessage(content=event.text) if event.text else DeltaMessage()
+        delta = DeltaMessage(
+            reasoning_content=parsed.reasoning or None, content=parsed.content or None, tool_calls=calls or None
+        )
         logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
-        choice = ChatStreamChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=event.finish_reason)
+        finish = finish_reason(event.finish_reason, self.calls[i] > 0)
+        choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
         return self._chunk([choice], spec)
 
     def tail(self, totals: Usage, spec: SpecDecodeStats) -> str:
@@ -69,8 +104,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         raise bad_request("top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     service.check_template_kwargs(body.chat_template_kwargs)
+    service.check_tools(body)
     service.check_capacity(n)
-    ids = await service.prepare(service.render_chat, body, param="messages")
+    ids, prompt_text = await service.prepare(service.render_chat, body, param="messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     # Without a limit the answer may use the rest of the context (at least one token).
@@ -82,21 +118,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ChatStream(rid, created, service.model_name, include_usage)
+        fmt = ChatStream(
+            rid, created, service.model_name, include_usage, n, lambda: service.chat_parser(body, prompt_text)
+        )
         return sse_response(stream_events(service, handle, fmt, len(ids), include_usage))
 
     results = await collect(request, service, handle)
     if results is None:
         return Response(status_code=499)
-    choices = [
-        ChatChoice(
-            index=index,
-            message=ChatMessageOut(content=result.text),
-            logprobs=chat_logprobs(result.logprobs) if logprobs is not None else None,
-            finish_reason=result.finish_reason,
+    choices = []
+    for index, result in enumerate(results):
+        parsed = service.chat_parser(body, prompt_text).feed(result.text, final=True)
+        calls = [
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in parsed.tool_calls
+        ]
+        # No answer besides the reasoning or the calls: null, as OpenAI sends with tool calls.
+        content = parsed.content if parsed.content or not (calls or parsed.reasoning) else None
+        message = ChatMessageOut(content=content, reasoning_content=parsed.reasoning or None, tool_calls=calls or None)
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=message,
+                logprobs=chat_logprobs(result.logprobs) if logprobs is not None else None,
+                finish_reason=finish_reason(result.finish_reason, bool(calls)),
+            )
         )
-        for index, result in enumerate(results)
-    ]
     stats, completion_tokens = totals(results)
     resp = ChatCompletionResponse(
         id=rid,

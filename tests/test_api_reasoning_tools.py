@@ -1,0 +1,343 @@
+"""Reasoning and tool calls end to end (issue #16): a live server over a tiny Qwen3 target built to
+answer a fixed script, through httpx and the official `openai` SDK.
+
+The target is a real Qwen3 (4 layers, random embeddings) whose layers add nothing (output
+projections zeroed), so the next token depends only on the last one; its LM head maps each script
+token to the next. Greedy decoding therefore writes, after the generation prompt's last token:
+
+    <think> REASONING </think> \\n\\n Let me check. <tool_call> CALL1 </tool_call> CALL2 <|im_end|>
+
+where CALL2 is a whole second call inside one token. With `enable_thinking: false` the prompt
+ends in the template's empty think block and `\\n\\n`, so the script starts after the reasoning.
+The tokenizer has Qwen3's tags as single (non-special) tokens, and the chat template, written for
+this test, renders tools, tool calls and tool results the way Qwen3's does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess, build_tiny_drafter, build_tiny_tokenizer
+
+CHAT = "/v1/chat/completions"
+MODEL = "scripted"
+REASONING = "\nI should look up the weather.\n"
+ANSWER = "Let me check."
+CALL1 = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+CALL2 = '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+SCRIPT = ["<think>", REASONING, "</think>", "\n\n", ANSWER, "<tool_call>", CALL1, "</tool_call>", CALL2]
+TEXT = "".join(SCRIPT)
+RAW_ANSWER = "".join(SCRIPT[4:])  # the answer when tool calls are not parsed
+
+TEMPLATE = """\
+{%- if tools -%}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+You may call these functions; their signatures, one a line:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+To call one, answer with <tool_call>
+{"name": <function name>, "arguments": <arguments object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' -%}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' -%}
+<|im_start|>assistant
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content or '' }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role != 'system' -%}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif -%}
+{%- endif -%}
+"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}},
+    },
+]
+ASK = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+
+
+def build_scripted_target(root: Path) -> tuple[Path, Path]:
+    """Save the scripted Qwen3 target (with its tokenizer) and a tiny Domino drafter for it."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import GenerationConfig
+
+    from model.checkpoint import save_drafter
+    from tests.helpers import tiny_target
+
+    tok = build_tiny_tokenizer()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in dict.fromkeys(["\n\n", *SCRIPT])])
+    tok.chat_template = TEMPLATE
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.convert_tokens_to_ids(SCRIPT)
+    newline = tok.convert_tokens_to_ids("Ċ")  # the generation prompt's last token (byte-level "\n")
+    # Each step's successor; "\n\n" ends the thinking-off prompt and follows </think> alike.
+    chain = [newline, *ids, eos]
+    model = tiny_target(
+        vocab=len(tok), layers=4, seed=3, max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=eos, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0.0, 1.0)
+        for layer in model.model.layers:  # the residual stream stays the last token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        head = model.lm_head.weight
+        head.zero_()
+        for prev, nxt in zip(chain, chain[1:], strict=False):
+            # Random 64-d embeddings are nearly orthogonal: this row wins by a wide margin after `prev`.
+            head[nxt] = 4.0 * emb[prev] / emb[prev].norm()
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    target_dir, drafter_dir = root / "scripted-qwen3", root / "scripted-domino"
+    model.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    save_drafter(build_tiny_drafter(model.config, tok.convert_tokens_to_ids("<|mask|>")), drafter_dir, dtype=None)
+    return target_dir, drafter_dir
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_scripted_target(tmp_path_factory.mktemp("scripted"))
+
+
+@pytest.fixture(scope="module")
+def srv(server_factory: Callable[..., ServerProcess], scripted: tuple[Path, Path]) -> ServerProcess:
+    target, drafter = scripted
+    return server_factory(target=target, drafter=drafter, served_model_name=MODEL, max_batch_size=4, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def sdk(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(srv: ServerProcess, **body: Any) -> dict[str, Any]:
+    r = httpx.post(srv.url + CHAT, json={"messages": ASK, "max_tokens": 40, "temperature": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(srv: ServerProcess, **body: Any) -> list[dict[str, Any]]:
+    payload = {"messages": ASK, "max_tokens": 40, "temperature": 0, "stream": True, **body}
+    with httpx.stream("POST", srv.url + CHAT, json=payload, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_the_script_is_what_the_target_writes(srv: ServerProcess, scripted: tuple[Path, Path]) -> None:
+    # Without the reasoning parser and tools this is the raw text (the parser is on: auto, <think> in the template).
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(scripted[0])
+    assert tok.convert_ids_to_tokens(tok.encode("x\n\n"))[-1] == "\n\n"
+    body = httpx.post(
+        srv.url + "/v1/completions", json={"prompt": "<|im_start|>assistant\n", "max_tokens": 40, "temperature": 0}
+    ).json()
+    assert body["choices"][0]["text"] == TEXT and body["choices"][0]["finish_reason"] == "stop"
+    assert body["spec_decode"]["num_draft_tokens"] > 0  # speculation ran (and was verified away)
+
+
+# -- reasoning ------------------------------------------------------------------------------------
+
+
+def test_reasoning_is_split_from_the_answer(srv: ServerProcess, sdk: openai.OpenAI) -> None:
+    msg = post(srv)["choices"][0]["message"]
+    assert msg == {"role": "assistant", "reasoning_content": REASONING.strip(), "content": RAW_ANSWER}
+    r = sdk.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0)
+    assert r.choices[0].message.model_extra["reasoning_content"] == REASONING.strip()
+    assert r.choices[0].message.content == RAW_ANSWER and r.choices[0].finish_reason == "stop"
+
+
+def test_reasoning_streams_before_the_answer(srv: ServerProcess, sdk: openai.OpenAI) -> None:
+    events = stream(srv, stream_options={"include_usage": True})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    kinds = [k for d in deltas[1:] for k in ("reasoning_content", "content") if d.get(k)]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")  # all reasoning, then all content
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == REASONING.strip()
+    assert "".join(d.get("content", "") for d in deltas) == RAW_ANSWER
+    assert not any("<think>" in d.get("content", "") + d.get("reasoning_content", "") for d in deltas)
+    parts = {"reasoning": "", "content": ""}
+    for chunk in sdk.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, temperature=0, stream=True):
+        for choice in chunk.choices:
+            parts["reasoning"] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            parts["content"] += choice.delta.content or ""
+    assert parts == {"reasoning": REASONING.strip(), "content": RAW_ANSWER}
+
+
+def test_enable_thinking_false(srv: ServerProcess) -> None:
+    body = post(srv, chat_template_kwargs={"enable_thinking": False})
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": RAW_ANSWER}
+    events = stream(srv, chat_template_kwargs={"enable_thinking": False})
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == RAW_ANSWER
+
+
+def test_truncated_reasoning(srv: ServerProcess) -> None:
+    choice = post(srv, max_tokens=2)["choices"][0]
+    assert choice["message"] == {"role": "assistant", "reasoning_content": REASONING.strip(), "content": None}
+    assert choice["finish_reason"] == "length"
+
+
+# -- tool calls -----------------------------------------------------------------------------------
+
+
+def test_tool_calls(srv: ServerProcess, sdk: openai.OpenAI) -> None:
+    r = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == ANSWER
+    assert choice.message.model_extra["reasoning_content"] == REASONING.strip()
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == CALLS
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+def test_tool_calls_stream(srv: ServerProcess, sdk: openai.OpenAI) -> None:
+    calls: dict[int, dict[str, str]] = {}
+    content, finish = "", None
+    for chunk in sdk.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0, stream=True
+    ):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for tc in choice.delta.tool_calls or []:
+                # One delta per complete call: id, name and the whole arguments.
+                assert tc.index not in calls and tc.id.startswith("call_") and tc.type == "function"
+                calls[tc.index] = {"name": tc.function.name, "arguments": tc.function.arguments}
+    assert finish == "tool_calls" and content == ANSWER
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == CALLS
+
+
+def test_parallel_tool_calls_false(srv: ServerProcess) -> None:
+    for body in (post(srv, tools=TOOLS, parallel_tool_calls=False),):
+        calls = body["choices"][0]["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    events = stream(srv, tools=TOOLS, parallel_tool_calls=False)
+    streamed = [tc for e in events for c in e["choices"] for tc in c["delta"].get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in streamed] == ["get_weather"]
+
+
+def test_tool_choice_none_is_plain_text(srv: ServerProcess) -> None:
+    with_tools = post(srv, tools=TOOLS)
+    body = post(srv, tools=TOOLS, tool_choice="none")
+    assert body["choices"][0]["message"]["content"] == RAW_ANSWER
+    assert "tool_calls" not in body["choices"][0]["message"] and body["choices"][0]["finish_reason"] == "stop"
+    # The tools are not shown to the model either.
+    assert body["usage"]["prompt_tokens"] < with_tools["usage"]["prompt_tokens"]
+
+
+def test_a_call_to_an_undeclared_function_is_returned_as_text(srv: ServerProcess) -> None:
+    body = post(srv, tools=TOOLS[:1])
+    msg = body["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
+    assert msg["content"] == ANSWER + CALL2  # the get_time call, verbatim
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+)
+def test_forced_tool_choice_is_refused(srv: ServerProcess, sdk: openai.OpenAI, choice: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=4)
+    assert err.value.param == "tool_choice" and "not supported yet" in err.value.message
+
+
+def test_strict_tools_are_refused(srv: ServerProcess) -> None:
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    r = httpx.post(srv.url + CHAT, json={"messages": ASK, "tools": strict, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.strict", r.text
+
+
+def test_tool_results_in_the_history(srv: ServerProcess, sdk: openai.OpenAI, scripted: tuple[Path, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    first = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
+    reply = first.choices[0].message
+    history: list[Any] = [*ASK, reply]  # the SDK's own message object, sent back as it is
+    for call, result in zip(reply.tool_calls, ["18 °C, sunny", "14:05"], strict=True):
+        history.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    second = sdk.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=40, temperature=0)
+    # The prompt the server rendered is the template's, with the calls and their results in it.
+    tok = AutoTokenizer.from_pretrained(scripted[0])
+    wire = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in history]
+    for m in wire:
+        for call in m.get("tool_calls", []):
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    text = tok.apply_chat_template(wire, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\n18 °C, sunny\n</tool_response>" in text and '"city": "Paris"' in text
+    assert "I should look up the weather." in text  # the reasoning went back to the template
+    assert second.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "x"}, "messages[1]"),
+        ({"role": "user", "content": "x", "tool_calls": []}, "messages[1]"),
+        ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]}, None),
+    ],
+    ids=["tool-without-id", "user-with-tool-calls", "call-without-arguments"],
+)
+def test_malformed_history_gets_400(srv: ServerProcess, message: dict[str, Any], param: str | None) -> None:
+    r = httpx.post(srv.url + CHAT, json={"messages": [*ASK, message], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
