@@ -2,7 +2,8 @@
 that ignores it; unknown fields too. Billing/tracing fields are accepted and ignored, and every
 unsupported field is accepted with the value that means "off".
 
-Before the fix every request below was answered 200 with free text (unknown fields were dropped)."""
+Before the fix every request in REJECTED but the two logprobs bounds was answered 200 with free text
+(unknown and unsupported fields were dropped); tools were ignored as well."""
 
 from __future__ import annotations
 
