@@ -192,21 +192,22 @@ def test_sigterm_with_requests_queued_in_the_engine(server_factory: Callable[...
     """Queued requests are answered (finished, or a 503 / error event in OpenAI's shape) before the
     process exits 0 within the drain timeout; none is left hanging or cut off."""
     srv = server_factory(max_batch_size=1, max_waiting=8, drain_timeout=3)
-    results: list[Any] = [None] * 5
+    # 8 x 480 tokens one row at a time: far more than a 3 s drain can finish, even on a fast machine.
+    results: list[Any] = [None] * 8
 
     def post(i: int) -> None:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            if i == 4:
-                with c.stream("POST", "/v1/completions", json=long_body(450, stream=True)) as r:
+            if i == 7:
+                with c.stream("POST", "/v1/completions", json=long_body(480, stream=True)) as r:
                     results[i] = ("stream", r.status_code, [line for line in r.iter_lines() if line])
             else:
-                r = c.post("/v1/completions", json=long_body(450))
+                r = c.post("/v1/completions", json=long_body(480))
                 results[i] = ("json", r.status_code, r.json())
 
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(5)]
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(results))]
     for t in threads:
         t.start()
-    wait_for(lambda: metric(scrape_metrics(srv.url), "domino_num_requests_waiting") >= 3, what="a queue")
+    wait_for(lambda: metric(scrape_metrics(srv.url), "domino_num_requests_waiting") >= 5, what="a queue")
     t0 = time.monotonic()
     srv.terminate()  # once, as docker stop does (a second SIGTERM during teardown would kill it)
     for t in threads:
@@ -221,7 +222,7 @@ def test_sigterm_with_requests_queued_in_the_engine(server_factory: Callable[...
     for kind, status, body in results:
         if kind == "json":
             if status == 200:
-                assert body["usage"]["completion_tokens"] == 450
+                assert body["usage"]["completion_tokens"] == 480
             else:
                 assert status == 503 and assert_openai_error(body)["code"] == "service_unavailable", body
                 failed += 1
