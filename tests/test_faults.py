@@ -48,9 +48,10 @@ class Fatal(BaseException):
 
 def test_dead_worker_fails_requests_waiting_for_admission(tiny_target_dir: Path, tiny_drafter_dir: Path) -> None:
     engine, tok = build(tiny_target_dir, tiny_drafter_dir)
-    gate = threading.Event()
+    gate, entered = threading.Event(), threading.Event()
 
     def dying_step() -> list[Any]:
+        entered.set()
         gate.wait(30)  # hold the worker inside a step while another request queues for admission
         raise Fatal("the worker thread dies")
 
@@ -61,6 +62,7 @@ def test_dead_worker_fails_requests_waiting_for_admission(tiny_target_dir: Path,
         worker.start(asyncio.get_running_loop())
         try:
             running = await worker.submit([SequenceSpec(0, [4, 5, 6], SamplingParams(max_new_tokens=4))])
+            assert await asyncio.to_thread(entered.wait, 10)  # the worker is inside the step
             waiting = asyncio.ensure_future(worker.submit([SequenceSpec(0, [7, 8], SamplingParams())]))
             await asyncio.sleep(0.2)
             assert not waiting.done()  # its add command sits in the inbox behind the step
