@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO_ROOT, ServerProcess, free_port
+from tests.fixtures import REPO_ROOT
+from tests.fixtures.servers import ServerProcess, free_port
 
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 INSTALL = REPO_ROOT / "docker" / "install.sh"

@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
+from tests.fixtures import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "ensure_prometheus.sh"
 

@@ -25,8 +25,8 @@ import torch
 from model.engine import Engine, SamplingParams
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
-from tests.test_engine import _prompts
-from tests.test_sampling import ALPHA, _chi_square, _exact_joint, assert_power
+from tests.model.test_engine import _prompts
+from tests.model.test_sampling import ALPHA, _chi_square, _exact_joint, assert_power
 
 pytestmark = [
     pytest.mark.cuda,
@@ -146,7 +146,7 @@ def test_greedy_bf16_matches_hf_generate() -> None:
 
 
 class OnDevice:
-    """Lets tests.test_sampling._exact_joint (CPU token ids in, `.logits` out) use a device model."""
+    """Lets tests.model.test_sampling._exact_joint (CPU token ids in, `.logits` out) use a device model."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -160,7 +160,7 @@ class OnDevice:
 def check_sampling(
     device: str, dtype: torch.dtype, temperature: float, top_p: float, top_k: int, n: int
 ) -> tuple[float, float]:
-    """tests/test_sampling's distribution test with the engine on `device` in `dtype`.
+    """tests/model/test_sampling's distribution test with the engine on `device` in `dtype`.
 
     The expected distribution comes from the same model in the same dtype on the same device
     (a plain HF forward), i.e. the distribution the target itself defines there.
@@ -169,7 +169,7 @@ def check_sampling(
     vocab, depth = 8, 3
     model = tiny_target(vocab=vocab, seed=3).to(device, dtype)
     drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4).to(device, dtype)
-    # Every draft verified, as in tests/test_sampling.py (the adaptive policy's draft count depends
+    # Every draft verified, as in tests/model/test_sampling.py (the adaptive policy's draft count depends
     # on the sampled drafts' own probabilities, which biases sampling rows; see the issue report).
     engine = Engine(
         TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16, draft_policy="fixed"

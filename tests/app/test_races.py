@@ -22,7 +22,7 @@ import uvicorn
 
 from app.worker import EngineWorker, OutputProcessor, SequenceSpec, TokenTexts
 from model.engine import RequestOutput, SamplingParams
-from tests.conftest import ServerProcess, free_port, metric, scrape_metrics
+from tests.fixtures.servers import ServerProcess, free_port, metric, scrape_metrics
 
 MODEL = "tiny"
 

@@ -24,7 +24,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, build_tiny_drafter, build_tiny_tokenizer
+from tests.fixtures.models import build_tiny_drafter, build_tiny_tokenizer
+from tests.fixtures.servers import ServerProcess
 
 CHAT = "/v1/chat/completions"
 MODEL = "scripted"

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, metric, scrape_metrics
+from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
 
 MODEL = "tiny"
 PROMPTS = [

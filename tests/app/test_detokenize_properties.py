@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.detokenize import IncrementalDetokenizer, StopMatcher
-from tests.conftest import build_tiny_tokenizer
+from tests.fixtures.models import build_tiny_tokenizer
 
 PROPERTY_SETTINGS = settings(
     max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

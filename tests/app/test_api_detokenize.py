@@ -9,7 +9,7 @@ import pytest
 
 from app.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher
 from app.worker import TokenTexts
-from tests.conftest import build_tiny_tokenizer
+from tests.fixtures.models import build_tiny_tokenizer
 
 MULTIBYTE = "Hi 🙂🚀 日本語 naïve café — “x” 👍🏽 한국어 ∑≈∞ ok"
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.conftest import ServerProcess
+from tests.fixtures.servers import ServerProcess
 
 EXAMPLES_PER_OPERATION = 30  # per operation and mode (valid / invalid requests)
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.fixtures.servers import ServerProcess
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK_MESSAGES = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ import torch
 from model.engine import SamplingParams
 from model.policy import AcceptanceCalibration, StepCosts, best_shared_drafts
 from tests.helpers import tiny_target
-from tests.test_engine import _hf_greedy, _oracle, _prompts
+from tests.model.test_engine import _hf_greedy, _oracle, _prompts
 
 
 class PriorCosts(StepCosts):

@@ -25,7 +25,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, PrometheusProcess, ServerProcess, needs_prometheus, scrape_metrics
+from tests.fixtures import REPO_ROOT
+from tests.fixtures.prometheus import PrometheusProcess, needs_prometheus
+from tests.fixtures.servers import ServerProcess, scrape_metrics
 
 DOCKER = REPO_ROOT / "docker"
 PROMETHEUS_YML = DOCKER / "prometheus.yml"

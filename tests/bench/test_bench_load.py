@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.load import check_loopback_url, main, quantile
-from tests.conftest import ServerProcess
+from tests.fixtures.servers import ServerProcess
 
 MAX_TOKENS = 6
 REQUESTS = 6

@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import PrometheusProcess, ServerProcess, needs_prometheus, scrape_config
+from tests.fixtures.prometheus import PrometheusProcess, needs_prometheus, scrape_config
+from tests.fixtures.servers import ServerProcess
 
 KEY = "sk-test-0123456789"
 

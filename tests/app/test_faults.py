@@ -21,7 +21,7 @@ import pytest
 from app.metrics import Metrics
 from app.worker import MAX_STEP_FAILURES, EngineWorker, SeqEvent, SequenceSpec, Unavailable
 from model.engine import SamplingParams
-from tests.conftest import ServerProcess
+from tests.fixtures.servers import ServerProcess
 
 STICKY = "RuntimeError: CUDA error: an illegal memory access was encountered"
 

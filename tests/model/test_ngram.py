@@ -12,9 +12,9 @@ from model.policy import NgramAcceptance
 from model.sampling import sample_with_uniform, verify_sampling
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
-from tests.test_engine import _hf_greedy
-from tests.test_policy import PriorCosts
-from tests.test_sampling import ALPHA, _chi_square, _exact_joint, chisquare_pvalue
+from tests.model.test_engine import _hf_greedy
+from tests.model.test_policy import PriorCosts
+from tests.model.test_sampling import ALPHA, _chi_square, _exact_joint, chisquare_pvalue
 
 # -- the index --------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from app.settings import Settings
-from tests.conftest import ServerProcess
+from tests.fixtures.servers import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess, metric, scrape_metrics
+from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]

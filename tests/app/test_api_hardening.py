@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, metric, scrape_metrics
+from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
