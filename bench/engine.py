@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--drafter", default=None, help="Domino drafter (default: the shipped one)")
     parser.add_argument("--dflash-drafter", default=None, help="DFlash baseline drafter (default: the shipped one)")
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--offset", type=int, default=0, help="skip the first N prompts of the file")
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--json", default="bench/results/engine.json")
     parser.add_argument("--threads", type=int, default=None)
@@ -260,7 +261,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
     model, tokenizer = load_target(args.target)
     eos = eos_token_ids(model, tokenizer)
-    prompts = [p for p in load_prompt_file(Path(args.prompts), tokenizer) if len(p) <= args.max_prompt_tokens]
+    # --offset 100 on the ShareGPT held-out file = its test half (train/evaluate.py's slices).
+    prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]
+    prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
     prompts = prompts[: args.limit] if args.limit else prompts
     target = TargetModel(model)
     domino_path = args.drafter or (str(DEFAULT_DRAFTER_DIR) if args.target == DEFAULT_TARGET else None)
@@ -315,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "drafter": domino_path,
         "dflash_drafter": dflash_path,
         "prompts_file": args.prompts,
+        "offset": args.offset,
+        "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
         "ngram": not args.no_ngram,
