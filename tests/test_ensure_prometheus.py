@@ -55,8 +55,16 @@ echo $! > {service_pid}
         _stub(stubs / name, "exit 1\n")
     _stub(stubs / "sudo", 'exec "$@"\n')
     # A machine that has Prometheus already (`make test` installs it) must not short-cut the script.
-    system_path = [d for d in os.environ["PATH"].split(":") if d and not (Path(d) / "promtool").exists()]
-    env = {**os.environ, "PATH": ":".join([str(stubs), str(installed), *system_path])}
+    # Dropping the directories that hold promtool would drop /usr/bin (and bash, cp, kill) with them:
+    # link every other system tool into one directory instead.
+    system = tmp_path / "system"
+    system.mkdir()
+    for directory in filter(None, os.environ["PATH"].split(":")):
+        for tool in Path(directory).glob("*") if Path(directory).is_dir() else ():
+            link = system / tool.name
+            if tool.name not in ("prometheus", "promtool") and not link.exists() and os.access(tool, os.X_OK):
+                link.symlink_to(tool.resolve())
+    env = {**os.environ, "PATH": ":".join([str(stubs), str(installed), str(system)])}
     try:
         result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
