@@ -79,12 +79,18 @@ def chat_logprobs(entries: Sequence[LogprobEntry]) -> ChatLogprobs:
     )
 
 
+# Characters that many line readers (Python's str.splitlines, hence httpx's aiter_lines) treat as line
+# breaks although SSE does not; JSON may escape them inside strings, and nothing else can hold them.
+_LINE_BREAKS_TO_ESCAPE = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel | dict[str, Any], omit_none: tuple[str, ...] = ()) -> str:
     data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
     for key in omit_none:
         if data.get(key) is None:
             data.pop(key, None)
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_TO_ESCAPE)
+    return f"data: {text}\n\n"
 
 
 # -- whole responses --------------------------------------------------------------------------------
