@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,19 @@ def check_disk(root: Path, needed: int) -> None:
             "free space, point --features-dir elsewhere, or train with --online-features"
         )
     log.info("features need %.1f GB under %s (%.1f GB free)", needed / 1e9, root, free / 1e9)
+
+
+def length_sorted_batches(lengths: list[int], batch_tokens: int) -> Iterator[list[int]]:
+    """Sequence indices in ascending length, grouped so that rows × the longest length stays within
+    `batch_tokens` (a sequence longer than that is a batch of its own)."""
+    batch: list[int] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if batch and (len(batch) + 1) * lengths[i] > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
 
 
 @torch.inference_mode()
@@ -109,24 +123,16 @@ def store_shard(
     feats = np.lib.format.open_memmap(tmp / "features.npy", mode="w+", dtype=np.float16, shape=(total, width))
     top_ids = np.lib.format.open_memmap(tmp / "topk_ids.npy", mode="w+", dtype=np.int32, shape=(total, topk))
     top_logp = np.lib.format.open_memmap(tmp / "topk_logp.npy", mode="w+", dtype=np.float16, shape=(total, topk))
-    order = sorted(range(len(sequences)), key=lambda i: lengths[i])
-    batch: list[int] = []
-
-    def flush() -> None:
+    bar = tqdm(total=len(sequences), desc=f"features {out_dir.name}", unit="seq", mininterval=30)
+    for batch in length_sorted_batches([len(seq) for seq in sequences], batch_tokens):
         f, ti, tl = _forward_batch(target, [sequences[i] for i in batch], taps, topk, [topk_from[i] for i in batch])
         for row, i in enumerate(batch):
             lo, hi = offsets[i], offsets[i + 1]
             feats[lo:hi] = f[row, : hi - lo].to(torch.float16).cpu().numpy()
             top_ids[lo:hi] = ti[row, : hi - lo].to(torch.int32).cpu().numpy()
             top_logp[lo:hi] = tl[row, : hi - lo].to(torch.float16).cpu().numpy()
-
-    for i in tqdm(order, desc=f"features {out_dir.name}", unit="seq", mininterval=30):
-        if batch and (len(batch) + 1) * lengths[i] > batch_tokens:
-            flush()
-            batch = []
-        batch.append(i)
-    if batch:
-        flush()
+        bar.update(len(batch))
+    bar.close()
     for arr in (feats, top_ids, top_logp):
         arr.flush()
     np.save(tmp / "offsets.npy", offsets)
@@ -207,20 +213,12 @@ def compute_features(
 ) -> list[torch.Tensor]:
     """Concatenated tap hidden states [N, K*H] (`dtype`, on `out_device`) of each full sequence, by
     length-sorted batches, kept in memory (fit --online-features computes them per batch)."""
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     feats: list[torch.Tensor | None] = [None] * len(sequences)
-    batch: list[int] = []
-
-    def flush() -> None:
+    bar = tqdm(total=len(sequences), desc="features", unit="seq", disable=not progress)
+    for batch in length_sorted_batches([len(seq) for seq in sequences], batch_tokens):
         out, _, _ = _forward_batch(target, [sequences[i] for i in batch], taps, 1, [len(sequences[i]) for i in batch])
         for row, i in enumerate(batch):
             feats[i] = out[row, : len(sequences[i])].to(device=out_device, dtype=dtype)
-
-    for i in tqdm(order, desc="features", unit="seq", disable=not progress):
-        if batch and (len(batch) + 1) * len(sequences[i]) > batch_tokens:
-            flush()
-            batch = []
-        batch.append(i)
-    if batch:
-        flush()
+        bar.update(len(batch))
+    bar.close()
     return feats  # type: ignore[return-value]

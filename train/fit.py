@@ -112,21 +112,26 @@ class TrainingData:
 
 
 def build_drafter(
-    args: argparse.Namespace, target: TargetModel, state: dict[str, Any] | None, data: TrainingData
+    args: argparse.Namespace,
+    target: TargetModel,
+    state: dict[str, Any] | None,
+    data: TrainingData,
+    init: Drafter | None = None,
 ) -> Drafter:
+    """The drafter to train: resumed from `state`, else `init` (loaded from --init-from), else new."""
     if state is not None:
         drafter = Drafter(DrafterConfig(**state["config"]))
         drafter.load_state_dict(state["drafter"])
         return drafter
-    if args.init_from:
-        drafter = load_drafter(args.init_from, dtype=torch.float32, target_config=target.config)
+    if init is not None:
+        drafter = init
     else:
         vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))
         init_weights(drafter)
         if args.warm_start:
             warm_start(drafter, target)
-    if drafter.config.draft_vocab_size is not None and (args.rebuild_vocab or not args.init_from):
+    if drafter.config.draft_vocab_size is not None and (args.rebuild_vocab or init is None):
         tokens = torch.tensor([t for _, _, s in data.train for t in s["answer"]], dtype=torch.long)
         rebuild_draft_vocab(drafter, torch.bincount(tokens, minlength=target.vocab_size))
     return drafter
@@ -148,13 +153,17 @@ def fit(args: argparse.Namespace) -> None:
 
     state_path = run / "state.pt"
     state = torch.load(state_path, weights_only=False) if state_path.exists() and not args.restart else None
-    taps = state["config"]["target_layer_ids"] if state else None
-    if taps is None and args.init_from:
-        taps = load_drafter(args.init_from, target_config=model.config).config.target_layer_ids
-    if taps is None:
+    init = None
+    if state is None and args.init_from:
+        init = load_drafter(args.init_from, dtype=torch.float32, target_config=model.config)
+    if state is not None:
+        taps = state["config"]["target_layer_ids"]
+    elif init is not None:
+        taps = init.config.target_layer_ids
+    else:
         taps = make_drafter_config(args, target, None).target_layer_ids
     data = TrainingData(args, list(taps), target)
-    drafter = build_drafter(args, target, state, data)
+    drafter = build_drafter(args, target, state, data, init)
     cfg = drafter.config
     drafter.to(device)
     drafter.bind_target(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
