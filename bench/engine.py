@@ -33,6 +33,7 @@ from model.loading import (
     DEFAULT_TARGET,
     eos_token_ids,
     load_target,
+    resolve_dtype,
 )
 from model.prompts import load_prompt_file
 from model.target import TargetModel
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--json", default="bench/results/engine.json")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
     parser.add_argument("--no-ngram", action="store_true", help="drafter modes without n-gram copies")
     args = parser.parse_args(argv)
     if args.threads:
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(modes) - set(ALL_MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
-    model, tokenizer = load_target(args.target)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    model, tokenizer = load_target(args.target, dtype)
     eos = eos_token_ids(model, tokenizer)
     # --offset 100 on the ShareGPT held-out file = its test half (train/evaluate.py's slices).
     prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]
@@ -268,8 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target = TargetModel(model)
     domino_path = args.drafter or (str(DEFAULT_DRAFTER_DIR) if args.target == DEFAULT_TARGET else None)
     dflash_path = args.dflash_drafter or (str(DEFAULT_DFLASH_DRAFTER_DIR) if args.target == DEFAULT_TARGET else None)
-    domino = load_drafter(domino_path, target_config=model.config) if domino_path else None
-    dflash = load_drafter(dflash_path, target_config=model.config) if dflash_path else None
+    domino = load_drafter(domino_path, dtype=dtype, target_config=model.config) if domino_path else None
+    dflash = load_drafter(dflash_path, dtype=dtype, target_config=model.config) if dflash_path else None
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
     engines = build_engines(target, modes, domino, dflash, eos, max_len, ngram=not args.no_ngram)
     num_drafts = {m: e.max_drafts_per_step for m, e in engines.items()}
@@ -324,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "ngram": not args.no_ngram,
         "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
     }
     write_reports(result, Path(args.json))
     print(Path(args.json).with_suffix(".md").read_text())

@@ -44,10 +44,22 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """`auto`: bf16 on CUDA, fp32 on the CPU (bf16 matmuls are slow on most CPUs)."""
+    """`auto`: bf16 on CUDA and on CPUs with native bf16 matmuls, else fp32.
+
+    On a CPU with AVX512-BF16 a bf16 target is not only lighter: a forward over 2-9 tokens costs
+    about what one over a single token does (fp32 GEMMs slow down with every extra row), which is
+    what lets a verify forward pay for its drafts (docs/benchmarks.md, "CPU verify cost")."""
     if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        if device.startswith("cuda") or (device == "cpu" and cpu_has_native_bf16()):
+            return torch.bfloat16
+        return torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]

@@ -19,6 +19,8 @@ is known before their first draft is drawn (see `Engine._choose`).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 # Verify cost relative to T = 1 for a 135M target on a 2-core CPU (context 300), used until
@@ -45,27 +47,34 @@ TRUSTED_SAMPLES = 3  # measurements of a (batch, T) cell before it is believed o
 
 
 class StepCosts:
-    """Exponential moving averages of measured verify and draft times, by batch size and T."""
+    """Measured verify and draft times by batch size and T.
 
-    def __init__(self, decay: float = 0.8) -> None:
-        self.decay = decay
+    Each cell's estimate is a low quantile of its last `window` samples: on a shared machine
+    interference only ever adds time, so a low quantile follows the machine's own speed where a
+    moving average follows every stall (and one stall of a T = 3 forward would make drafting look
+    dear for many steps)."""
+
+    def __init__(self, window: int = 16, quantile: float = 0.25) -> None:
+        self.window = window
+        self.quantile = quantile
         self.verify_s: dict[tuple[int, int], float] = {}
         self.draft_s: dict[int, float] = {}
-        self.verify_n: dict[tuple[int, int], int] = {}  # samples per cell
+        self.verify_n: dict[tuple[int, int], int] = {}  # samples per cell (all time)
         self.draft_n: dict[int, int] = {}
+        self._samples: dict[object, deque[float]] = {}
 
-    def _ema(self, table: dict, counts: dict, key: object, seconds: float) -> None:
-        # A plain mean over the first samples, so one outlier (a cold first call) fades quickly.
-        n = counts[key] = counts.get(key, 0) + 1
-        old = table.get(key)
-        weight = max(1 / n, 1 - self.decay)
-        table[key] = seconds if old is None else (1 - weight) * old + weight * seconds
+    def _observe(self, table: dict, counts: dict, key: object, seconds: float) -> None:
+        counts[key] = counts.get(key, 0) + 1
+        recent = self._samples.setdefault((id(table), key), deque(maxlen=self.window))
+        recent.append(seconds)
+        ordered = sorted(recent)
+        table[key] = ordered[int(self.quantile * (len(ordered) - 1))]
 
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
-        self._ema(self.verify_s, self.verify_n, (batch, tokens), seconds)
+        self._observe(self.verify_s, self.verify_n, (batch, tokens), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        self._ema(self.draft_s, self.draft_n, batch, seconds)
+        self._observe(self.draft_s, self.draft_n, batch, seconds)
 
     def verify(self, batch: int, tokens: int) -> float:
         """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.

@@ -109,6 +109,9 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--weight-decay", type=float, default=0.0)
     f.add_argument("--warmup", type=float, default=0.04)
     f.add_argument("--clip", type=float, default=1.0)
+    f.add_argument(
+        "--base-loss-until", type=float, default=0.5, help="fraction of training over which λ falls from 1 to 0"
+    )
     f.add_argument("--gamma", type=float, default=None, help="per-slot loss decay exp(-j/γ); default 0.45·B, 0: off")
     f.add_argument("--distill", type=float, default=0.0, help="weight of the target top-k soft labels in [0, 1]")
     f.add_argument("--val-samples", type=int, default=64, help="validation sequences held out of the first shard")

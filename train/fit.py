@@ -67,6 +67,22 @@ class TrainingData:
                 + (": no shard has stored features yet (run `domino-train features`)" if args.stored_only else "")
             )
 
+    def answer_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """Answer-token frequencies [V] over every gen shard, stored features or not (the draft
+        vocabulary should not depend on which shards were stored first); validation excluded."""
+        if self.max_samples:  # a capped run sees only its own samples
+            tokens = [t for _, _, s in self.train for t in s["answer"]]
+        else:
+            held_out = {(k, row) for k, row, _ in self.val}
+            tokens = [
+                t
+                for k, path in enumerate(self.paths)
+                for row, s in enumerate(read_shard(path))
+                if (k, row) not in held_out
+                for t in s["answer"]
+            ]
+        return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size)
+
     def refresh(self) -> int:
         """Add the shards whose features have been stored since the last call (a `features` job may
         still be running beside fit --stored-only); returns the number of samples added."""
@@ -132,8 +148,7 @@ def build_drafter(
         if args.warm_start:
             warm_start(drafter, target)
     if drafter.config.draft_vocab_size is not None and (args.rebuild_vocab or init is None):
-        tokens = torch.tensor([t for _, _, s in data.train for t in s["answer"]], dtype=torch.long)
-        rebuild_draft_vocab(drafter, torch.bincount(tokens, minlength=target.vocab_size))
+        rebuild_draft_vocab(drafter, data.answer_token_counts(target.vocab_size))
     return drafter
 
 
@@ -236,7 +251,7 @@ def fit(args: argparse.Namespace) -> None:
         progress = max(progress, training_progress(step, args.steps, elapsed, args.time_budget_s))
         if progress >= 1.0:
             break
-        lam = lambda_schedule(progress) if cfg.has_head else 1.0
+        lam = lambda_schedule(progress, args.base_loss_until) if cfg.has_head else 1.0
         lr = args.lr * lr_schedule(progress, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -17,9 +17,12 @@ import torch
 from model.drafter import Drafter
 
 
-def lambda_schedule(progress: float) -> float:
-    """Weight of the base-logit loss: 1 -> 0 linearly over the first half of training."""
-    return max(0.0, 1.0 - progress / 0.5)
+def lambda_schedule(progress: float, until: float = 0.5) -> float:
+    """Weight of the base-logit loss: 1 -> 0 linearly over the first `until` of training (half by
+    default; a run continuing a trained drafter can shorten it, its head needs no re-anchoring)."""
+    if until <= 0:
+        return 0.0
+    return max(0.0, 1.0 - progress / until)
 
 
 def lr_schedule(progress: float, warmup: float) -> float:

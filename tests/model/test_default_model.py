@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from model import default_model as dm
 
@@ -219,3 +220,12 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert dm.default_cache_dir() == tmp_path
     monkeypatch.delenv(dm.CACHE_DIR_ENV)
     assert dm.default_cache_dir() == Path.home() / ".cache" / "domino-serve"
+
+
+def test_auto_dtype_is_bf16_exactly_where_the_cpu_multiplies_bf16_natively() -> None:
+    from model.loading import cpu_has_native_bf16, resolve_dtype
+
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == torch.float32

@@ -28,6 +28,23 @@ def test_short_verify_never_estimated_dearer_than_a_measured_longer_one() -> Non
     assert costs.verify(1, 9) > 0.020  # longer than anything measured: scaled up by the prior
 
 
+def test_stalls_on_a_shared_machine_do_not_move_a_cost_estimate() -> None:
+    # Interference only adds time: a few stalled forwards among many normal ones must not make a
+    # verify width look dear (a moving average did, and the policy then stopped drafting).
+    costs = StepCosts()
+    for _ in range(12):
+        costs.observe_verify(1, 3, 0.020)
+        costs.observe_draft(1, 0.002)
+    for _ in range(3):
+        costs.observe_verify(1, 3, 0.400)
+        costs.observe_draft(1, 0.100)
+    assert costs.verify(1, 3) == 0.020 and costs.draft(1) == 0.002
+    # A lasting change of speed is followed once it fills most of the window.
+    for _ in range(14):
+        costs.observe_verify(1, 3, 0.040)
+    assert costs.verify(1, 3) == 0.040
+
+
 def test_calibration_learns_over_confidence() -> None:
     cal = AcceptanceCalibration(bins=10, prior_weight=8.0, decay=1.0)
     conf = torch.full((4, 3), 0.95)

@@ -35,6 +35,9 @@ def test_schedules() -> None:
     assert lambda_schedule(0.0) == 1.0
     assert lambda_schedule(0.25) == 0.5
     assert lambda_schedule(0.5) == 0.0 and lambda_schedule(0.9) == 0.0
+    # A run continuing a trained drafter re-anchors on the base logits only briefly, or not at all.
+    assert lambda_schedule(0.05, until=0.1) == 0.5 and lambda_schedule(0.1, until=0.1) == 0.0
+    assert lambda_schedule(0.0, until=0.0) == 0.0
     assert lr_schedule(0.01, 0.04) == 0.25 and lr_schedule(0.04, 0.04) == 1.0
     assert 0 < lr_schedule(0.0, 0.04) < 0.01
     assert abs(lr_schedule(0.52, 0.04) - 0.5) < 1e-9
