@@ -1,4 +1,5 @@
-"""Streaming text out of token ids: an incremental detokenizer and a stop-string matcher.
+"""Streaming text out of token ids: an incremental detokenizer, a stop-string matcher, token texts
+for logprobs, and the per-choice `OutputProcessor` the worker runs them in.
 
 Byte-level BPE splits multi-byte UTF-8 characters over several tokens, so decoding one token at a
 time yields U+FFFD halves. `IncrementalDetokenizer` decodes a small sliding window and holds text
@@ -8,8 +9,14 @@ start of a stop string, so a stop split over two chunks is still found and never
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.worker import SequenceSpec
+    from model.engine import RequestOutput
 
 REPLACEMENT = "\ufffd"
 # Tokens of prompt context decoded with the window so tokenizers whose decoding depends on the
@@ -89,3 +96,102 @@ class StopMatcher:
         """Text held back as a possible stop prefix, released when generation ends without it."""
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """How a token is shown in logprobs: its text (or `bytes:\\x..` for partial UTF-8) and bytes."""
+
+    text: str
+    bytes: list[int]
+
+
+@dataclass
+class LogprobEntry:
+    token: TokenText
+    logprob: float
+    top: list[tuple[TokenText, float]]
+
+
+class TokenTexts:
+    """Token id -> display text and exact bytes, cached. Byte-level BPE vocabularies store bytes as
+    printable stand-in characters; mapping them back gives the token's real bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.byte_map = _byte_level_map() if _is_byte_level(tokenizer) else None
+        self.cache: dict[int, TokenText] = {}
+
+    def __call__(self, token_id: int) -> TokenText:
+        hit = self.cache.get(token_id)
+        if hit is None:
+            hit = self.cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> TokenText:
+        raw: bytes | None = None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self.byte_map is not None and isinstance(piece, str) and all(c in self.byte_map for c in piece):
+            raw = bytes(self.byte_map[c] for c in piece)
+        if raw is None:
+            raw = self.tokenizer.decode([token_id]).encode("utf-8")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return TokenText(text, list(raw))
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return False
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(p.get("type") == "ByteLevel" for p in parts)
+
+
+def _byte_level_map() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-character table: printable bytes stand for themselves, the
+    others are shifted to code points from 256 upwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class OutputProcessor:
+    """Per-choice post-processing on the worker thread: tokens -> text deltas, stop strings."""
+
+    def __init__(self, spec: SequenceSpec, tokenizer: Any, token_texts: TokenTexts) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, spec.prompt_ids, spec.skip_special_tokens)
+        self.stops = StopMatcher(spec.stop)
+        self.token_texts = token_texts
+
+    def process(self, out: RequestOutput) -> tuple[str, list[LogprobEntry] | None, bool]:
+        """Returns (text delta, logprobs of the rendered tokens, whether a stop string ended it)."""
+        ids = list(out.new_token_ids)
+        lps = out.logprobs
+        # The stop/EOS token is generated (and counted) but never rendered.
+        if out.finish_reason == "stop" and out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
+            ids.pop()
+        text = self.detok.push(ids)
+        if out.finished:
+            text += self.detok.flush()
+        text, hit = self.stops.feed(text)
+        if out.finished and not hit:
+            text += self.stops.flush()
+        entries = None
+        if lps is not None:
+            tt = self.token_texts
+            entries = [
+                LogprobEntry(tt(lp.token_id), lp.logprob, [(tt(t), v) for t, v in lp.top]) for lp in lps[: len(ids)]
+            ]
+        return text, entries, hit

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from app.detokenize import LogprobEntry
 from app.errors import generation_error
 from app.protocol import (
     ChatLogprobs,
@@ -27,7 +28,8 @@ from app.protocol import (
     Usage,
 )
 from app.service import Service
-from app.worker import LogprobEntry, RequestHandle, SeqEvent, SpecStats
+from app.worker import RequestHandle, SeqEvent
+from model.engine import RequestStats
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
@@ -36,11 +38,26 @@ DONE = "data: [DONE]\n\n"
 # -- pieces of responses ----------------------------------------------------------------------------
 
 
-def spec_decode_field(stats: SpecStats) -> SpecDecodeStats:
+def summed_stats(stats: Sequence[RequestStats]) -> RequestStats:
+    """One request's statistics summed over its choices (counts add, per-step lists concatenate)."""
+    total = RequestStats()
+    for s in stats:
+        total.verify_steps += s.verify_steps
+        total.draft_tokens += s.draft_tokens
+        total.accepted_tokens += s.accepted_tokens
+        total.acceptance_lengths += s.acceptance_lengths
+        for who, n in s.draft_tokens_by_proposer.items():
+            total.draft_tokens_by_proposer[who] = total.draft_tokens_by_proposer.get(who, 0) + n
+        for who, n in s.accepted_tokens_by_proposer.items():
+            total.accepted_tokens_by_proposer[who] = total.accepted_tokens_by_proposer.get(who, 0) + n
+    return total
+
+
+def spec_decode_field(stats: RequestStats) -> SpecDecodeStats:
     return SpecDecodeStats(
-        num_drafts=stats.num_drafts,
-        num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
+        num_drafts=stats.verify_steps,
+        num_draft_tokens=stats.draft_tokens,
+        num_accepted_tokens=stats.accepted_tokens,
         mean_acceptance_length=stats.mean_acceptance_length,
     )
 
@@ -103,7 +120,7 @@ class ChoiceResult:
     text: str
     logprobs: list[LogprobEntry]
     finish_reason: str | None
-    stats: SpecStats
+    stats: RequestStats
     num_tokens: int  # tokens generated (a stop token included)
 
     @classmethod
@@ -115,17 +132,14 @@ class ChoiceResult:
             text="".join(e.text for e in events),
             logprobs=[x for e in events if e.logprobs for x in e.logprobs],
             finish_reason=last.finish_reason,
-            stats=last.stats or SpecStats(),
+            stats=last.stats or RequestStats(),
             num_tokens=sum(e.num_tokens for e in events),
         )
 
 
-def totals(results: Sequence[ChoiceResult]) -> tuple[SpecStats, int]:
+def totals(results: Sequence[ChoiceResult]) -> tuple[RequestStats, int]:
     """(statistics summed over the choices, completion tokens)."""
-    stats = SpecStats()
-    for r in results:
-        stats += r.stats
-    return stats, sum(r.num_tokens for r in results)
+    return summed_stats([r.stats for r in results]), sum(r.num_tokens for r in results)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -195,7 +209,8 @@ async def stream_events(
     """The SSE body: the endpoint's chunks, then the usage tail (if asked) and [DONE]; a failed choice
     ends the stream with an error event. Whatever still runs is aborted when the stream ends or the
     client goes away (this generator is then cancelled)."""
-    total, completion_tokens, finished = SpecStats(), 0, 0
+    choice_stats: list[RequestStats] = []
+    completion_tokens, finished = 0, 0
     num_choices = len(handle.specs)
     try:
         for chunk in fmt.opening(num_choices):
@@ -211,14 +226,14 @@ async def stream_events(
             spec = None
             if event.finish_reason is not None:
                 finished += 1
-                total += event.stats or SpecStats()
+                choice_stats.append(event.stats or RequestStats())
                 if finished == num_choices and not include_usage:
-                    spec = spec_decode_field(total)
+                    spec = spec_decode_field(summed_stats(choice_stats))
             chunk = fmt.event(event, spec)
             if chunk is not None:
                 yield chunk
         if include_usage:
-            yield fmt.tail(usage(prompt_tokens, completion_tokens), spec_decode_field(total))
+            yield fmt.tail(usage(prompt_tokens, completion_tokens), spec_decode_field(summed_stats(choice_stats)))
         yield DONE
     finally:
         service.worker.abort(handle)  # a no-op when everything finished

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from app.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher
-from app.worker import TokenTexts
+from app.detokenize import REPLACEMENT, IncrementalDetokenizer, StopMatcher, TokenTexts
 from tests.fixtures.models import build_tiny_tokenizer
 
 MULTIBYTE = "Hi 🙂🚀 日本語 naïve café — “x” 👍🏽 한국어 ∑≈∞ ok"

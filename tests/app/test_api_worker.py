@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from app.detokenize import OutputProcessor, TokenTexts
 from app.metrics import Metrics
-from app.worker import EngineWorker, OutputProcessor, SeqEvent, SequenceSpec, TokenTexts
+from app.worker import EngineWorker, SeqEvent, SequenceSpec
 from model.engine import RequestOutput, SamplingParams
 
 MAX_MODEL_LEN = 64

@@ -20,7 +20,8 @@ import httpx
 import pytest
 import uvicorn
 
-from app.worker import EngineWorker, OutputProcessor, SequenceSpec, TokenTexts
+from app.detokenize import OutputProcessor, TokenTexts
+from app.worker import EngineWorker, SequenceSpec
 from model.engine import RequestOutput, SamplingParams
 from tests.fixtures.servers import ServerProcess, free_port, metric, scrape_metrics
 
