@@ -66,3 +66,17 @@ def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
     assert math.isfinite(row["projection"]["domino"]["head_overhead"])
     md = out_md.read_text()
     assert "### Projection" in md and "| published |" in md and "| 2 | 48 |" in md
+
+
+def test_drafter_parameters_exclude_the_borrowed_target_embedding_and_head() -> None:
+    # The published Qwen3-8B-Domino-b16 backbone has ~1.05 B parameters; the target's embedding and
+    # LM head (2 x 151936 x 4096) it borrows must not count (an H200 report once said 2.29 B).
+    from model.drafter import count_parameters
+
+    shapes = scaled_shapes(1)
+    drafter = build_drafter(shapes, dtype=torch.bfloat16, device="meta")
+    before = count_parameters(drafter)
+    vocab, hidden = shapes["vocab_size"], shapes["hidden_size"]
+    drafter.bind_target(torch.empty(vocab, hidden, device="meta"), torch.empty(vocab, hidden, device="meta"))
+    assert count_parameters(drafter) == before
+    assert 1.0e9 < before["backbone"] < 1.1e9 and 50e6 < before["head"] < 60e6
