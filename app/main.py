@@ -102,6 +102,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     hf_logging.enable_progress_bar()
 
+    if settings.uses_ray:
+        # Imported only here: serving without replicas does not need Ray installed.
+        from app.ray_serve import serve_with_ray
+
+        sys.exit(serve_with_ray(settings))
+
     from app.server import create_app
 
     app = create_app(settings)
@@ -114,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         limit_concurrency=settings.limit_concurrency,
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # float is fine
         lifespan="on",
+        # Fixed, not "auto": installing uvloop/httptools (Ray Serve pulls them in) must not change how
+        # this server parses HTTP or runs its event loop.
+        loop="asyncio",
+        http="h11",
     )
     server = DrainingServer(
         config,

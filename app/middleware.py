@@ -1,4 +1,4 @@
-"""ASGI guard: auth and body size, before anything reads the body."""
+"""ASGI guard: auth and body size, before anything reads the body; the replica header on every response."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, bad_request
 
+REPLICA_HEADER = b"x-domino-replica"
+
 
 class GuardMiddleware:
     """401 for /v1 routes without the right bearer token; 415 for POST bodies that are not JSON; 413
@@ -16,18 +18,31 @@ class GuardMiddleware:
     trickling its body must not hold a connection and a request slot for ever).
 
     The body is read here (bounded) and replayed to the app, so the limit holds whether or not the
-    client sent Content-Length, and FastAPI never sees an oversized body."""
+    client sent Content-Length, and FastAPI never sees an oversized body.
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body: int, body_timeout: float = 30.0) -> None:
+    With `replica` set, every HTTP response, the guard's own refusals included, carries
+    `x-domino-replica: <replica>`, so an operator behind a load balancer sees which replica answered."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body: int,
+        body_timeout: float = 30.0,
+        replica: str | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.body_timeout = body_timeout
+        self.replica_header = (REPLICA_HEADER, replica.encode("latin-1", "replace")) if replica else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.replica_header is not None:
+            send = self._with_replica_header(send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         if self.api_key is not None and scope.get("path", "").startswith("/v1") and not self._authorized(headers):
             err = APIError(
@@ -82,6 +97,16 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _with_replica_header(self, send: Send) -> Send:
+        header = self.replica_header
+
+        async def send_naming_replica(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        return send_naming_replica
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         assert self.api_key is not None

@@ -110,6 +110,7 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
         api_key=settings.api_key,
         max_body=settings.max_request_bytes,
         body_timeout=settings.body_read_timeout,
+        replica=settings.replica_name,
     )
     install_error_handlers(app)
 

@@ -72,6 +72,28 @@ class Settings(BaseSettings):
         30.0, gt=0, description="seconds a client may take to send a request body (408 beyond)"
     )
     log_level: LogLevel = "info"
+    replica_name: str | None = Field(
+        None,
+        description="name sent in the x-domino-replica response header (Ray Serve sets its replica id; the Helm "
+        "chart the pod name); unset: no header",
+    )
+
+    # -- scaling out (Ray Serve; docs/design.md §5) ------------------------------------------------
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="serve through Ray Serve with this many replicas, each owning one engine (and one GPU where "
+        "CUDA is present); unset: one plain uvicorn process",
+    )
+    max_replicas: int | None = Field(
+        None, ge=1, description="with --replicas: autoscale between --replicas and this many replicas"
+    )
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="autoscaling target of requests in flight per replica (default: max_batch_size)"
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (e.g. ray://head:10001 or auto); unset: start a local one"
+    )
 
     @model_validator(mode="after")
     def _empty_strings_mean_unset(self) -> Settings:
@@ -82,7 +104,22 @@ class Settings(BaseSettings):
             self.drafter = None
         if self.served_model_name == "":
             self.served_model_name = None
+        if self.replica_name == "":
+            self.replica_name = None
+        if self.ray_address == "":
+            self.ray_address = None
         return self
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> Settings:
+        if self.max_replicas is not None and self.max_replicas < (self.replicas or 1):
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas or 1})")
+        return self
+
+    @property
+    def uses_ray(self) -> bool:
+        """Serve through Ray Serve (a replica count given, or a cluster to join) rather than one uvicorn process."""
+        return self.replicas is not None or self.max_replicas is not None or self.ray_address is not None
 
     @property
     def model_name(self) -> str:

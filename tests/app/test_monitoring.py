@@ -70,6 +70,9 @@ def substitute(expr: str, model_regex: str = ".*", rate_interval: str = "1m", ti
         .replace("${model_name:regex}", model_regex)
         .replace("${model_name}", model_regex)
         .replace("$model_name", model_regex)
+        # "All" replicas: also matches a single process's series, which have no replica label.
+        .replace("${replica:regex}", ".*")
+        .replace("$replica", ".*")
     )
     assert not re.search(r"\$\{?_*[A-Za-z]", out), f"unknown Grafana variable left in {out}"
     return out
