@@ -40,6 +40,9 @@ MAX_MESSAGES = 512
 MAX_MESSAGE_CHARS = 1 << 17  # per message (the body limit caps the total)
 MAX_TEMPLATE_KWARG_CHARS = 256  # a string value of chat_template_kwargs
 MAX_TOOLS = 128  # as OpenAI allows
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -69,10 +72,6 @@ def _first_surrogate(value: Any, path: str = "") -> str | None:
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
-def _is_zero(value: Any) -> bool:
-    return value == 0
-
-
 def _is_empty(value: Any) -> bool:
     return not value
 
@@ -80,14 +79,6 @@ def _is_empty(value: Any) -> bool:
 # OpenAI fields this server does not honour: (accepted when, why not / what to use instead). Any
 # other value gets a 400 naming the field; null is always accepted (it means the default, "off").
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (_is_zero, "only 0 is accepted (penalties are not implemented yet)"),
-    "presence_penalty": (_is_zero, "only 0 is accepted (penalties are not implemented yet)"),
-    "logit_bias": (_is_empty, "only {} is accepted (not implemented yet)"),
-    "response_format": (
-        lambda v: v == {"type": "text"},
-        "only {'type': 'text'} is accepted: json_object and json_schema need constrained decoding, "
-        "which is not available yet",
-    ),
     "functions": (_is_empty, "deprecated by OpenAI; use tools"),
     "function_call": (lambda v: v == "none", "deprecated by OpenAI; use tool_choice"),
     "audio": (lambda v: False, "audio output is not available"),
@@ -156,11 +147,39 @@ class SamplingFields(IgnoredFields):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = _unsupported("only 0: penalties are not implemented yet")
-    presence_penalty: float | None = _unsupported("only 0: penalties are not implemented yet")
-    logit_bias: dict[str, float] | None = _unsupported("only {}: not implemented yet")
+    # Logits processors (model/logits_processors.py), exact under speculation.
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's, over the generated tokens")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's, over the generated tokens")
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (as a string) -> bias in [-100, 100], added to its logit"
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=100, description="vLLM/HF: logits of prompt and output tokens divided (or, negative, multiplied)"
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="vLLM: EOS and stop_token_ids held back until this many tokens"
+    )
+    bad_words: list[str] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description="vLLM: words never generated (as tokenized, and after a space)"
+    )
 
-    _off_sampling = field_validator("frequency_penalty", "presence_penalty", "logit_bias")(_reject_unless_off)
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _bias_entries(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("bad_words", mode="after")
+    @classmethod
+    def _bad_word_sizes(cls, value: list[str] | None) -> list[str] | None:
+        for word in value or []:
+            if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"each bad word must be non-blank and at most {MAX_BAD_WORD_CHARS} characters")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -199,6 +218,11 @@ class SamplingFields(IgnoredFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            presence_penalty=float(self.presence_penalty or 0.0),
+            frequency_penalty=float(self.frequency_penalty or 0.0),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens or 0,
         )
 
 
@@ -334,6 +358,24 @@ class FunctionDef(_Request):
         return value
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON Schema; absent: any JSON object")
+    strict: bool | None = Field(None, description="always enforced: the output validates against the schema")
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is needed with type 'json_schema', and only there")
+        return self
+
+
 class Tool(_Request):
     type: Literal["function"]
     function: FunctionDef
@@ -348,7 +390,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # Only the switches the served template reads are passed on (Service.check_template_kwargs).
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
-    response_format: dict[str, Any] | None = _unsupported("only {'type': 'text'}: no structured output yet")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: enforced by constrained decoding (model/grammar.py)"
+    )
     functions: list[Any] | None = _unsupported("deprecated by OpenAI and not supported: use tools")
     function_call: str | dict[str, Any] | None = _unsupported("deprecated by OpenAI and not supported: use tool_choice")
     audio: dict[str, Any] | None = _unsupported("not supported")
@@ -359,12 +403,13 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: dict[str, Any] | None = _unsupported("not supported")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="'auto' (default with tools) or 'none'; 'required' and named functions are not supported yet"
+        None,
+        description="'auto' (default with tools), 'none', or, enforced by constrained decoding, 'required' "
+        "and a named function ({'type': 'function', 'function': {'name': ...}})",
     )
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call is returned")
 
     _off_chat = field_validator(
-        "response_format",
         "functions",
         "function_call",
         "audio",
@@ -378,14 +423,25 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tool_choice", mode="after")
     @classmethod
     def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is None or value in ("none", "auto"):
+        if value is None or value in ("none", "auto", "required"):
             return value
-        if value == "required" or isinstance(value, dict):
-            raise ValueError(
-                "not supported yet: 'required' and named functions need constrained decoding, which this server "
-                "does not have yet (use 'auto' or 'none')"
-            )
+        if isinstance(value, dict):
+            function = value.get("function")
+            if (
+                set(value) == {"type", "function"}
+                and value["type"] == "function"
+                and isinstance(function, dict)
+                and set(function) == {"name"}
+                and isinstance(function["name"], str)
+            ):
+                return value
+            raise ValueError("a named choice is {'type': 'function', 'function': {'name': <a tool's name>}}")
         raise ValueError("must be 'none', 'auto', 'required' or a named function")
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The function a named tool_choice calls."""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
     @property
     def use_tools(self) -> bool:
@@ -399,6 +455,39 @@ class ChatCompletionRequest(SamplingFields):
             if isinstance(item, str) and len(item) > MAX_TEMPLATE_KWARG_CHARS:
                 raise ValueError(f"{key}: at most {MAX_TEMPLATE_KWARG_CHARS} characters")
         return value
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a `prompt` as /v1/completions encodes it, or `messages` as the chat
+    template renders them for /v1/chat/completions."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=MAX_MESSAGE_CHARS * 8)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool = Field(True, description="prompt only: as /v1/completions does")
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+    _kwarg_values = field_validator("chat_template_kwargs", mode="after")(
+        ChatCompletionRequest._kwarg_values.__func__  # type: ignore[attr-defined]
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages is needed")
+        return self
+
+    @property
+    def use_tools(self) -> bool:
+        return bool(self.tools)
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -566,3 +655,18 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class VersionResponse(_Response):
+    version: str

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,12 +14,13 @@ from typing import Any, TypeVar
 from app.chat_output import ChatOutputParser
 from app.errors import APIError, bad_request, server_error
 from app.metrics import Metrics
-from app.protocol import ChatCompletionRequest, SamplingFields
-from app.reasoning import ReasoningParser, prompt_opens_reasoning, reasoning_mode
+from app.protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
+from app.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning, reasoning_mode
 from app.settings import Settings
 from app.tool_parser import CALL_START, ToolCallParser
 from app.worker import EngineWorker, Overloaded, RequestHandle, SequenceSpec, Unavailable
 from model.engine import Engine
+from model.grammar import Grammar, GrammarCompiler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +79,8 @@ class Service:
         # The rendered prompt may exceed the body only by the template's own text.
         self.max_rendered_chars = 4 * settings.max_request_bytes
         self._prepare_slots = asyncio.Semaphore(PREPARE_SLOTS)
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request (~1 s)
+        self._grammars_lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
@@ -111,6 +115,12 @@ class Service:
             raise bad_request(
                 f"stop_token_ids: {bad[:5]} outside the vocabulary (size {self.vocab_size})", param="stop_token_ids"
             )
+        bad = [k for k in body.logit_bias or {} if int(k) >= self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"logit_bias: token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})",
+                param="logit_bias",
+            )
         if n * num_prompts > self.capacity:
             raise bad_request(
                 f"the request needs {n * num_prompts} sequences (n x prompts) but the server admits at most "
@@ -139,8 +149,19 @@ class Service:
         return dict(kwargs or {})
 
     def check_tools(self, body: ChatCompletionRequest) -> None:
-        if body.tool_choice == "auto" and not body.tools:
-            raise bad_request("tool_choice: 'auto' needs tools", param="tool_choice")
+        if body.tool_choice not in (None, "none") and not body.tools:
+            raise bad_request("tool_choice: needs tools", param="tool_choice")
+        names = [t.function.name for t in body.tools or []]
+        if body.forced_tool is not None and body.forced_tool not in names:
+            raise bad_request(f"tool_choice: no tool is named {body.forced_tool!r}", param="tool_choice")
+        constrained = self.constrained(body)
+        if constrained and body.ignore_eos:
+            raise bad_request("ignore_eos: cannot be combined with constrained output (it ends at EOS)", "ignore_eos")
+        if constrained == "tools" and body.response_format is not None and body.response_format.type != "text":
+            raise bad_request(
+                "response_format: cannot be combined with tool_choice 'required' or a named function",
+                param="response_format",
+            )
         if body.use_tools and not self.supports_tools:
             raise bad_request(
                 f"tools: not supported for this model: its chat template does not render tools with the "
@@ -159,6 +180,54 @@ class Service:
             names = {t.function.name for t in body.tools or []}
             tools = ToolCallParser(names, max_calls=1 if body.parallel_tool_calls is False else None)
         return ChatOutputParser(reasoning, tools)
+
+    @staticmethod
+    def constrained(body: ChatCompletionRequest) -> str | None:
+        """What constrained decoding enforces for a chat request: "tools", "json" or None."""
+        if body.tools and (body.tool_choice == "required" or body.forced_tool is not None):
+            return "tools"
+        if body.response_format is not None and body.response_format.type != "text":
+            return "json"
+        return None
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                eos = sorted(self.engine.eos_token_ids) or [self.tokenizer.eos_token_id]
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos)
+            return self._grammars
+
+    def grammar(self, body: ChatCompletionRequest, prompt_text: str) -> Grammar | None:
+        """The grammar a chat request's output must follow (call off the event loop), or None.
+        A reasoning model may think first: the grammar starts after its `</think>`."""
+        kind = self.constrained(body)
+        if kind is None:
+            return None
+        think = "none"  # no reasoning parser, or the template closed the block (Qwen3 enable_thinking: false)
+        if self.reasoning is not None and not prompt_text.rstrip().endswith(THINK_END):
+            opened = self.reasoning == "deepseek_r1" or prompt_opens_reasoning(prompt_text)
+            think = "open" if opened else "optional"
+        compiler = self.grammar_compiler()
+        if kind == "tools":
+            tools = {t.function.name: t.function.parameters for t in body.tools or []}
+            if body.forced_tool is not None:
+                tools = {body.forced_tool: tools[body.forced_tool]}
+            try:
+                return compiler.tool_calls(tools, parallel=body.parallel_tool_calls is not False, think=think)
+            except ValueError as exc:
+                raise bad_request(
+                    f"tools: a function's parameters are not a usable JSON Schema: {exc}", "tools"
+                ) from None
+        fmt = body.response_format
+        assert fmt is not None
+        if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            return compiler.json_object(think)
+        try:
+            return compiler.json_schema(fmt.json_schema.schema_, think)
+        except ValueError as exc:
+            raise bad_request(
+                f"response_format.json_schema.schema: {exc}", param="response_format.json_schema.schema"
+            ) from None
 
     def check_prompt(self, prompt: Prompt, max_tokens: int, param: str, tokens_param: str) -> None:
         if not prompt.ids:
@@ -180,13 +249,26 @@ class Service:
 
     # -- admission ---------------------------------------------------------------------------------
     def specs(
-        self, body: SamplingFields, prompts: list[tuple[Prompt, int]], n: int, logprobs: int | None
+        self,
+        body: SamplingFields,
+        prompts: list[tuple[Prompt, int]],
+        n: int,
+        logprobs: int | None,
+        grammar: Grammar | None = None,
     ) -> list[SequenceSpec]:
         """Choice index = prompt index * n + sample index (OpenAI's order); seeds advance per sample."""
         out = []
+        bad_words = self.bad_words_ids(body.bad_words or [])
         for pi, (prompt, max_tokens) in enumerate(prompts):
+            if body.min_tokens and body.min_tokens > max_tokens:
+                raise bad_request(
+                    f"min_tokens: {body.min_tokens} is more than the {max_tokens} tokens the completion may have",
+                    param="min_tokens",
+                )
             for j in range(n):
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
+                params.bad_words_ids = bad_words
+                params.grammar = grammar
                 out.append(SequenceSpec(pi * n + j, prompt.ids, params, tuple(body.stop_list)))
         return out
 
@@ -239,7 +321,10 @@ class Service:
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def render_chat(self, body: ChatCompletionRequest) -> tuple[list[int], str]:
+    def encode_plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], str]:
         """The prompt's token ids and text."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages: this model has no chat template; use /v1/completions", param="messages")
@@ -269,6 +354,17 @@ class Service:
             )
         # The template already wrote any BOS/special tokens it wants.
         return list(self.tokenizer.encode(text, add_special_tokens=False)), text
+
+    def bad_words_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Token sequences that ban each word: its tokens as written and after a space (how a word
+        inside text is usually tokenized), as vLLM does."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -17,10 +17,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from model.drafter import DraftContextCache, Drafter, DraftResult
+from model.logits_processors import RowProcessor, new_row_processor, process_logits
 from model.ngram import NgramIndex
 from model.policy import (
     NGRAM_PRIOR,
@@ -61,6 +63,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top alternatives per token (None: no logprobs)
+    # Logits processors (model/logits_processors.py), applied to the target at every verify position.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # stop tokens are held back until this many tokens were generated
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
+    grammar: Any = None  # model.grammar.Grammar: its matcher masks the target; None: free text
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -143,6 +153,7 @@ class _Row:
     aborted: bool = False
     ngram: NgramIndex | None = None  # prompt + output, indexed for prompt lookup
     ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
+    processor: RowProcessor | None = None  # logits processors and their state (None: plain sampling)
 
 
 @dataclass
@@ -268,6 +279,7 @@ class Engine:
             generator=torch.Generator().manual_seed(seed),
             stop_ids=frozenset(stop_ids),
         )
+        row.processor = new_row_processor(params, row.prompt_ids, row.stop_ids, self.target.vocab_size, self.device)
         if self.ngram:
             row.ngram = NgramIndex(self.ngram_max_n, self.ngram_min_n)
             row.ngram_acceptance = NgramAcceptance(self.ngram_max_n, self.ngram_max_drafts)
@@ -460,7 +472,8 @@ class Engine:
         logits = out.logits[:, 0]
         sampling = self._sampling_batch(new, None)
         u = self._draw_uniforms(new, 1)[:, 0]
-        first = self._sample_target(logits, sampling, u).tolist()
+        scores = process_logits([r.processor for r in new], logits[:, None], None)[:, 0]
+        first = self._sample_target(scores, sampling, u).tolist()
         logprobs = [
             self._logprobs(logits[i : i + 1], [tok], row.params.logprobs) if row.params.logprobs is not None else None
             for i, (row, tok) in enumerate(zip(new, first))
@@ -474,6 +487,8 @@ class Engine:
         outputs, done = [], []
         for i, (row, tok) in enumerate(zip(new, first)):
             emitted, reason, stop_tok = self._commit(row, [tok])
+            if row.processor is not None:
+                row.processor.commit(emitted)
             row.anchor = tok
             outputs.append(
                 RequestOutput(row.request_id, emitted, reason is not None, reason, row.stats, logprobs[i], stop_tok)
@@ -609,13 +624,14 @@ class Engine:
             torch.cuda.synchronize()  # time the work, not the launch
         self.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
         logits = out.logits  # [R, k + 1, V]
+        scores = process_logits([row.processor for row in rows], logits, drafts)  # what the rows choose from
 
         accepted = torch.zeros(r, dtype=torch.long, device=dev)
         bonus = torch.zeros(r, dtype=torch.long, device=dev)
         greedy = sampling.greedy
         if bool(greedy.any()):
             g = greedy.nonzero().squeeze(1)
-            acc_g, bonus_g = verify_greedy(logits[g], drafts[g], num_drafts[g])
+            acc_g, bonus_g = verify_greedy(scores[g], drafts[g], num_drafts[g])
             accepted[g], bonus[g] = acc_g, bonus_g
             if k > 0 and draft is not None:
                 # Calibrate the drafter on the greedy rows that verified its drafts.
@@ -627,7 +643,7 @@ class Engine:
                     )
         if not bool(greedy.all()):
             s = (~greedy).nonzero().squeeze(1)
-            p = processed_probs(logits[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
+            p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
             acc_s, bonus_s = verify_sampling(
                 p,
                 drafts[s],
@@ -676,6 +692,8 @@ class Engine:
                 if greedy_rows[i]:
                     self.ngram_acceptance.observe(plan.match_len, n_i, a_i)
             emitted, reason, stop_tok = self._commit(row, new_tokens[i])
+            if row.processor is not None:
+                row.processor.commit(emitted)
             row.anchor = bonus_list[i]
             st = row.stats
             st.verify_steps += 1

@@ -113,7 +113,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     max_tokens = requested if requested is not None else max(1, service.max_model_len - len(ids))
     prompt = Prompt(ids, None)
     service.check_prompt(prompt, max_tokens, "messages", tokens_param)
-    handle = await service.submit(service.specs(body, [(prompt, max_tokens)], n, logprobs))
+    grammar = None
+    if service.constrained(body) is not None:
+        grammar = await service.prepare(service.grammar, body, prompt_text, param="response_format")
+    handle = await service.submit(service.specs(body, [(prompt, max_tokens)], n, logprobs, grammar))
     rid, created = new_id("chatcmpl"), now()
 
     if body.stream:

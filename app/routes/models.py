@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{id}."""
+"""GET /v1/models and /v1/models/{id}; with them the served model's tokenizer endpoints and the
+server's version (app/routes/tokenize.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from fastapi import APIRouter
 from app.deps import ServiceDep
 from app.errors import ERROR_RESPONSES
 from app.protocol import ModelCard, ModelList
+from app.routes import tokenize
 from app.service import Service
 
 router = APIRouter(responses=ERROR_RESPONSES)
+router.include_router(tokenize.router)
 
 
 def _card(service: Service) -> ModelCard:

@@ -292,13 +292,67 @@ def test_a_call_to_an_undeclared_function_is_returned_as_text(srv: ServerProcess
     assert body["choices"][0]["finish_reason"] == "tool_calls"
 
 
+# Parameters with a bounded spelling: whatever a masked choice among tied logits picks, the call ends.
+BOUNDED = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {key: {"enum": values}},
+                "required": [key],
+                "additionalProperties": False,
+            },
+        },
+    }
+    for name, key, values in [("get_weather", "city", ["Paris", "Rome"]), ("get_time", "tz", ["CET", "UTC"])]
+]
+
+
 @pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
+    ("choice", "names"),
+    [("required", {"get_weather", "get_time"}), ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})],
+    ids=["required", "named"],
 )
-def test_forced_tool_choice_is_refused(srv: ServerProcess, sdk: openai.OpenAI, choice: Any) -> None:
-    with pytest.raises(openai.BadRequestError) as err:
-        sdk.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=4)
-    assert err.value.param == "tool_choice" and "not supported yet" in err.value.message
+def test_forced_tool_choice_is_enforced(srv: ServerProcess, sdk: openai.OpenAI, choice: Any, names: set[str]) -> None:
+    """The script answers with text before its calls: constrained decoding replaces the text with a
+    call (after the thinking, which stays free), whose arguments follow the function's parameters."""
+    import jsonschema
+
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+    for stream_it in (False, True):
+        kwargs: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=BOUNDED, tool_choice=choice, max_tokens=200)
+        if stream_it:
+            chunks = list(sdk.chat.completions.create(**kwargs, temperature=0, parallel_tool_calls=False, stream=True))
+            calls = [tc.function for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or []]
+            finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason][-1]
+        else:
+            out = sdk.chat.completions.create(**kwargs, temperature=0, parallel_tool_calls=False).choices[0]
+            calls = [tc.function for tc in out.message.tool_calls or []]
+            finish = out.finish_reason
+            assert out.message.content is None and out.message.model_extra["reasoning_content"] == REASONING.strip()
+        assert len(calls) == 1 and finish == "tool_calls", (calls, finish)
+        assert calls[0].name in names
+        jsonschema.validate(json.loads(calls[0].arguments), params[calls[0].name])
+    # Sampled, parallel calls allowed: still only calls, each valid.
+    for seed in range(3):
+        out = sdk.chat.completions.create(**kwargs, temperature=1.0, seed=seed).choices[0]
+        assert out.finish_reason in ("tool_calls", "length") and out.message.tool_calls, out
+        if out.finish_reason == "tool_calls":
+            assert out.message.content is None, out
+        for call in out.message.tool_calls:
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+def test_forced_tool_choice_needs_a_declared_tool(srv: ServerProcess) -> None:
+    for choice, param in [({"type": "function", "function": {"name": "nope"}}, "tool_choice"), ("required", None)]:
+        body = {"messages": ASK, "max_tokens": 4, "tool_choice": choice}
+        if param is not None:
+            body["tools"] = TOOLS
+        r = httpx.post(srv.url + CHAT, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
 def test_strict_tools_are_refused(srv: ServerProcess) -> None:
