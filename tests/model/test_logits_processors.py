@@ -164,3 +164,96 @@ def test_greedy_with_processors_matches_hf_generate(world, refs, mode: str, batc
         assert tokens == ref, (i, fields[i])
     if mode != "ar":
         assert sum(s.accepted_tokens for _, s, _ in results) > 0  # drafts were verified and some kept
+
+
+# -- sampling stays exact: chi-square against the exact joint of the first tokens ------------------
+
+
+def _joint(step: Any, depth: int, stop: int | None = None) -> dict[tuple, float]:
+    """Exact probability of every first-`depth`-token sequence (shorter where `stop` ends it);
+    step(prefix) -> the distribution of the next token after the generated prefix."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: tuple, prob: float) -> None:
+        if len(prefix) == depth or (prefix and prefix[-1] == stop):
+            out[prefix] = out.get(prefix, 0.0) + prob
+            return
+        for tok, p in enumerate(step(list(prefix)).tolist()):
+            if p > 0:
+                walk((*prefix, tok), prob * p)
+
+    walk((), 1.0)
+    return out
+
+
+def _sample_counts(engine: Engine, prompt: list[int], params: list[SamplingParams], depth: int, stop: int | None):
+    results = engine.generate([prompt] * len(params), params)
+    counts: dict[tuple, int] = {}
+    for tokens, _, _ in results:
+        key = tuple(tokens[:depth])
+        if stop in key:
+            key = key[: key.index(stop) + 1]
+        counts[key] = counts.get(key, 0) + 1
+    drafted = sum(s.draft_tokens for _, s, _ in results)
+    accepted = sum(s.accepted_tokens for _, s, _ in results)
+    assert 0.03 < accepted / drafted < 0.97, (accepted, drafted)  # both branches ran
+    return counts
+
+
+@pytest.mark.slow
+def test_sampling_with_penalties_matches_the_penalised_distribution() -> None:
+    from tests.helpers import tiny_drafter, tiny_target
+    from tests.model.test_sampling import ALPHA, _chi_square, assert_power
+
+    vocab, depth, n = 8, 3, 12_000
+    model = tiny_target(vocab=vocab, seed=3)
+    drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4)
+    engine = Engine(TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16)
+    prompt = [1, 2, 3, 1, 2]  # the n-gram copies propose 3, 1, 2, ...
+    kw = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.5, "logit_bias": {5: 1.0}}
+    params = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=i, **kw) for i in range(n)]
+    counts = _sample_counts(engine, prompt, params, depth, None)
+    procs = [
+        SequenceBiasLogitsProcessor({(5,): 1.0}),
+        RepetitionPenaltyLogitsProcessor(1.5),
+        OpenAIPenalties(len(prompt), 0.7, 0.4),
+    ]
+
+    def step(prefix: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt + prefix])
+        with torch.no_grad():
+            scores = model(ids).logits[:, -1].float()
+        for proc in procs:
+            scores = proc(ids, scores)
+        return torch.softmax(scores[0], -1)
+
+    expected = _joint(step, depth)
+    assert _chi_square(counts, expected, n) > ALPHA
+    assert_power(counts, expected, n)
+
+
+@pytest.mark.slow
+def test_sampling_with_a_grammar_matches_the_masked_distribution(world: dict[str, Any]) -> None:
+    from tests.model.test_sampling import ALPHA, _chi_square, assert_power
+
+    tok, model, eos, compiler = world["tok"], world["model"], world["eos"], world["compiler"]
+    depth, n = 3, 12_000
+    grammar = compiler.lark("start: /[ab]+/")  # a few tokens allowed at each position, EOS after one
+    prompt = tok.encode("ab ab ab a", add_special_tokens=False)  # copies propose b, a, ... (allowed)
+    drafter = build_tiny_drafter(model.config, tok.convert_tokens_to_ids("<|mask|>"), block_size=4)
+    engine = Engine(
+        TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=64, eos_token_ids=[eos]
+    )
+    params = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=i, grammar=grammar) for i in range(n)]
+    counts = _sample_counts(engine, prompt, params, depth, eos)
+
+    def step(prefix: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt + prefix])
+        with torch.no_grad():
+            scores = model(ids).logits[:, -1].float()
+        return torch.softmax(GrammarMask(compiler, grammar.text, len(prompt))(ids, scores)[0], -1)
+
+    expected = _joint(step, depth, stop=eos)
+    assert len(expected) > 10
+    assert _chi_square(counts, expected, n) > ALPHA
+    assert_power(counts, expected, n)
