@@ -79,8 +79,35 @@ def run_hf(
     return tokens, (clock.first_token_at or t1) - t0, t1 - t0
 
 
-def run_engine(engine: Engine, prompt: list[int], max_new: int) -> tuple[list[int], float, float, Any]:
-    engine.add_request("bench", prompt, SamplingParams(max_new_tokens=max_new))
+class TimedGrammar:
+    """A grammar whose matchers add the time they take (masks along the drafts, commits) to `seconds`."""
+
+    def __init__(self, grammar: Any) -> None:
+        self.grammar, self.seconds, self.masks = grammar, 0.0, 0
+
+    def matcher(self) -> Any:
+        inner, timed = self.grammar.matcher(), self
+
+        class Timed:
+            def allowed(self, drafts: list[int], positions: int) -> torch.Tensor:
+                t0 = time.perf_counter()
+                out = inner.allowed(drafts, positions)
+                timed.seconds += time.perf_counter() - t0
+                timed.masks += positions
+                return out
+
+            def commit(self, tokens: list[int]) -> None:
+                t0 = time.perf_counter()
+                inner.commit(tokens)
+                timed.seconds += time.perf_counter() - t0
+
+        return Timed()
+
+
+def run_engine(
+    engine: Engine, prompt: list[int], max_new: int, grammar: Any = None
+) -> tuple[list[int], float, float, Any]:
+    engine.add_request("bench", prompt, SamplingParams(max_new_tokens=max_new, grammar=grammar))
     tokens: list[int] = []
     stats = None
     first_at = None
@@ -253,6 +280,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
     parser.add_argument("--no-ngram", action="store_true", help="drafter modes without n-gram copies")
+    parser.add_argument(
+        "--json-mode", action="store_true", help="engine answers constrained to a JSON object (llguidance); no HF modes"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -261,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(modes) - set(ALL_MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
+    if args.json_mode:
+        modes = [m for m in modes if not m.startswith("hf-")]  # HF generate has no grammar here
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_target(args.target, dtype)
     eos = eos_token_ids(model, tokenizer)
@@ -276,6 +308,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
     engines = build_engines(target, modes, domino, dflash, eos, max_len, ngram=not args.no_ngram)
     num_drafts = {m: e.max_drafts_per_step for m, e in engines.items()}
+    grammars: dict[str, TimedGrammar] = {}
+    if args.json_mode:
+        from model.grammar import GrammarCompiler
+
+        compiler = GrammarCompiler(tokenizer, target.vocab_size, sorted(eos))
+        grammars = {m: TimedGrammar(compiler.json_object()) for m in modes}
 
     records: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     # Warm-up outside the measurement (first calls allocate and pick kernels).
@@ -283,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if mode.startswith("hf-"):
             run_hf(model, prompts[0], 4, eos, mode == "hf-prompt-lookup")
         else:
-            run_engine(engines[mode], prompts[0], 4)
+            run_engine(engines[mode], prompts[0], 4, grammars.get(mode))
     for i, prompt in enumerate(prompts):
         ref: list[int] | None = None
         for mode in modes:
@@ -291,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 tokens, ttft, total = run_hf(model, prompt, args.max_new_tokens, eos, mode == "hf-prompt-lookup")
                 stats = None
             else:
-                tokens, ttft, total, stats = run_engine(engines[mode], prompt, args.max_new_tokens)
+                tokens, ttft, total, stats = run_engine(engines[mode], prompt, args.max_new_tokens, grammars.get(mode))
             # The first mode is the output reference when hf-generate is among them.
             if mode == "hf-generate":
                 ref = tokens
@@ -316,6 +354,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(f"[{i + 1}/{len(prompts)}] tok/s {line}", flush=True)
     result = summarize(records, num_drafts)
+    if grammars:
+        # The grammar's own cost: masks along every verify position's drafts, and commits.
+        for mode, g in grammars.items():
+            steps = sum(len(r.get("acceptance_lengths", [])) + 1 for r in records[mode])
+            result.setdefault("grammar", {})[mode] = {
+                "seconds": g.seconds,
+                "masks": g.masks,
+                "us_per_mask": 1e6 * g.seconds / max(g.masks, 1),
+                "ms_per_step": 1e3 * g.seconds / max(steps, 1),
+            }
     result["config"] = {
         "target": args.target,
         "drafter": domino_path,
@@ -328,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ngram": not args.no_ngram,
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
+        "json_mode": args.json_mode,
     }
     write_reports(result, Path(args.json))
     print(Path(args.json).with_suffix(".md").read_text())
