@@ -1,7 +1,8 @@
 """How many drafts to verify per step: the drafter's own confidence against measured step costs.
 
-A verify forward over T tokens per row costs more than one over a single token, and on a CPU that
-cost climbs quickly with T and with the batch. A block only pays when enough of it is accepted, so
+A verify forward over T tokens per row costs more than one over a single token (a little where the
+target's matmuls are bound by reading weights: GPUs, bf16 on a CPU with native bf16; a lot for fp32
+on a CPU). A block only pays when enough of it is accepted, so
 each step picks the draft count k that maximises expected committed tokens per second:
 
     rate(k) = sum_r (1 + E_r(k)) / (t_draft(R) + t_verify(R, k + 1)),
@@ -14,148 +15,309 @@ use a row-local stopping rule (`stopping_drafts`) that is lossless and independe
 N-gram copies (model/ngram.py) are a second, free proposal: `NgramAcceptance` learns their
 acceptance per match length and slot from verify steps, which gives their E_r(k) in the same
 formula; greedy rows take the better proposal at the chosen width, sampling rows choose from what
-is known before their first draft is drawn (see `Engine._choose`).
+is known before their first draft is drawn (`DraftPolicy.choose`).
+
+The measured side (step costs, calibration, copy acceptance) is in model/costs.py.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-# Verify cost relative to T = 1 for a 135M target on a 2-core CPU (context 300), used until
-# the engine has measured its own.
-PRIOR_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
-PRIOR_DRAFT_FRACTION = 0.15  # drafter step cost relative to a T = 1 verify
+from model.costs import (
+    NGRAM_PRIOR,
+    PRIOR_DRAFT_FRACTION,
+    PRIOR_VERIFY_CURVE,
+    AcceptanceCalibration,
+    NgramAcceptance,
+    StepCosts,
+    VerifyCurve,
+    prior_verify,
+)
+from model.ngram import NgramIndex
+
+PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
+# Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
+# ~350 steps without copies), so a match length written off on old text is tried again.
+NGRAM_FADE = 0.998
 
 
-def prior_verify(tokens: int) -> float:
-    """Piecewise-linear interpolation of PRIOR_VERIFY_CURVE (linear extrapolation past 17)."""
-    xs = sorted(PRIOR_VERIFY_CURVE)
-    if tokens <= xs[0]:
-        return PRIOR_VERIFY_CURVE[xs[0]]
-    for lo, hi in zip(xs, xs[1:]):
-        if tokens <= hi:
-            w = (tokens - lo) / (hi - lo)
-            return PRIOR_VERIFY_CURVE[lo] * (1 - w) + PRIOR_VERIFY_CURVE[hi] * w
-    lo, hi = xs[-2], xs[-1]
-    slope = (PRIOR_VERIFY_CURVE[hi] - PRIOR_VERIFY_CURVE[lo]) / (hi - lo)
-    return PRIOR_VERIFY_CURVE[hi] + slope * (tokens - hi)
+class PolicyRow(Protocol):
+    """What the policy reads of an engine row."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: Any  # SamplingParams: temperature
+    ngram: NgramIndex | None
+    ngram_acceptance: NgramAcceptance | None
 
 
-TRUSTED_SAMPLES = 3  # measurements of a (batch, T) cell before it is believed over the prior's shape
+@dataclass
+class NgramPlan:
+    tokens: list[int]  # the copy proposed
+    match_len: int
+    accept: torch.Tensor  # [len(tokens)] estimated acceptance of each slot once reached
 
 
-class StepCosts:
-    """Measured verify and draft times by batch size and T.
+@dataclass
+class StepChoice:
+    """Drafts verified per row this step, and whether they are the row's n-gram copy (else the drafter's)."""
 
-    Each cell's estimate is a low quantile of its last `window` samples: on a shared machine
-    interference only ever adds time, so a low quantile follows the machine's own speed where a
-    moving average follows every stall (and one stall of a T = 3 forward would make drafting look
-    dear for many steps)."""
-
-    def __init__(self, window: int = 16, quantile: float = 0.25) -> None:
-        self.window = window
-        self.quantile = quantile
-        self.verify_s: dict[tuple[int, int], float] = {}
-        self.draft_s: dict[int, float] = {}
-        self.verify_n: dict[tuple[int, int], int] = {}  # samples per cell (all time)
-        self.draft_n: dict[int, int] = {}
-        self._samples: dict[object, deque[float]] = {}
-
-    def _observe(self, table: dict, counts: dict, key: object, seconds: float) -> None:
-        counts[key] = counts.get(key, 0) + 1
-        recent = self._samples.setdefault((id(table), key), deque(maxlen=self.window))
-        recent.append(seconds)
-        ordered = sorted(recent)
-        table[key] = ordered[int(self.quantile * (len(ordered) - 1))]
-
-    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
-        self._observe(self.verify_s, self.verify_n, (batch, tokens), seconds)
-
-    def observe_draft(self, batch: int, seconds: float) -> None:
-        self._observe(self.draft_s, self.draft_n, batch, seconds)
-
-    def verify(self, batch: int, tokens: int) -> float:
-        """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.
-
-        Never more than a measured forward over more tokens at this batch size: one noisy sample
-        must not make a short verify look dearer than a long one (the policy would then never try,
-        and never measure, the short one)."""
-        longer = [s for (b, t), s in self.verify_s.items() if b == batch and t > tokens]
-        estimate = self._verify_estimate(batch, tokens)
-        if 0 < self.verify_n.get((batch, tokens), 0) < TRUSTED_SAMPLES:
-            # A cell measured once or twice (maybe in a noisy moment) may not look dearer than a
-            # well-measured one scaled by the prior curve: else it is never tried, never re-measured.
-            trusted = [(t, s) for (b, t), s in self.verify_s.items() if b == batch and t != tokens]
-            trusted = [(t, s) for t, s in trusted if self.verify_n[(batch, t)] >= TRUSTED_SAMPLES]
-            if trusted:
-                t, s = max(trusted, key=lambda ts: self.verify_n[(batch, ts[0])])
-                estimate = min(estimate, s * prior_verify(tokens) / prior_verify(t))
-        return min([estimate, *longer])
-
-    def _verify_estimate(self, batch: int, tokens: int) -> float:
-        if (batch, tokens) in self.verify_s:
-            return self.verify_s[(batch, tokens)]
-        same_batch = [(t, s) for (b, t), s in self.verify_s.items() if b == batch]
-        if same_batch:
-            t, s = min(same_batch, key=lambda ts: abs(ts[0] - tokens))
-            return s * prior_verify(tokens) / prior_verify(t)
-        if self.verify_s:
-            # Another batch size: assume cost grows with the total tokens in the forward.
-            (b, t), s = min(self.verify_s.items(), key=lambda kv: abs(kv[0][0] - batch))
-            return s * prior_verify(batch * tokens) / prior_verify(b * t)
-        return prior_verify(batch * tokens)
-
-    def draft(self, batch: int) -> float:
-        if batch in self.draft_s:
-            return self.draft_s[batch]
-        if self.draft_s:
-            b, s = min(self.draft_s.items(), key=lambda kv: abs(kv[0] - batch))
-            return s * batch / b
-        return PRIOR_DRAFT_FRACTION * self.verify(batch, 1)
+    counts: list[int]
+    use_ngram: list[bool]
 
 
-class AcceptanceCalibration:
-    """P(a greedy draft is accepted | the drafter's confidence), learned from this engine's verify steps.
+class DraftPolicy:
+    """Which rows run the drafter and how many drafts each row verifies, step by step.
 
-    A drafter's top probability is an over-confident guess of acceptance when its training data is
-    thin (the shipped SmolLM2 drafter reports ~0.6 where ~0.2 is accepted), and a look-ahead rule fed
-    raw confidences keeps paying for rejected drafts. Each verified greedy slot that was reached (all
-    earlier drafts accepted) adds one observation to its confidence bin; the estimate is the bin's
-    acceptance rate, shrunk towards the raw confidence while the bin has few observations, and old
-    observations fade so the estimate follows the traffic. Used for greedy rows only: their output
-    does not depend on the draft count, so a batch-wide estimate cannot change what they emit.
+    `adaptive` weighs expected accepted drafts against measured step costs (module docstring);
+    `fixed` verifies every drafter draft up to the first below `draft_threshold`, else the copy.
+    The engine tells it what happened (`observe_*`); everything it learns lives here.
     """
 
-    def __init__(self, bins: int = 20, prior_weight: float = 2.0, decay: float = 0.998) -> None:
-        self.bins = bins
-        self.prior_weight = prior_weight
-        self.decay = decay
-        self.reached = torch.zeros(bins, dtype=torch.float64)
-        self.accepted = torch.zeros(bins, dtype=torch.float64)
+    def __init__(
+        self,
+        adaptive: bool,
+        num_drafts: int,
+        draft_threshold: float,
+        ngram_max_n: int,
+        ngram_max_drafts: int,
+        prior: VerifyCurve = PRIOR_VERIFY_CURVE,
+    ) -> None:
+        self.adaptive = adaptive
+        self.num_drafts = num_drafts  # drafter slots per block (the most it can propose)
+        self.draft_threshold = draft_threshold
+        self.prior = prior
+        self.costs = StepCosts(prior=prior)
+        self.calibration = AcceptanceCalibration()
+        # Observed acceptance of greedy rows' copies, by match length and slot (engine-wide).
+        self.ngram_acceptance = NgramAcceptance(ngram_max_n, max(ngram_max_drafts, 1))
+        self.ngram_prior = NGRAM_PRIOR  # acceptance assumed before any copy was verified
+        self.drafter_gain: float | None = None  # recent expected accepted drafts per drafted row
+        self.skip_steps = 0  # steps left to decode without drafting, after drafting stopped paying
+        self.no_gain_streak = 0
+        self.pause_len = PAUSE_MIN  # doubles while probes keep finding that drafting does not pay
+        self.draft_width = num_drafts  # slots drafted per step under the adaptive policy
 
-    def _bin(self, confidence: torch.Tensor) -> torch.Tensor:
-        return (confidence.double().clamp(0, 1) * self.bins).long().clamp_max(self.bins - 1)
+    def on_admit(self) -> None:
+        """New requests joined: their text may suit the drafter better, so probe again soon."""
+        self.pause_len = PAUSE_MIN
+        self.skip_steps = min(self.skip_steps, PAUSE_MIN)
 
-    def observe(self, confidence: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
-        """confidence [R, k] of the verified slots, num_drafts [R] verified per row, accepted [R]."""
-        if confidence.numel() == 0:
+    def slots_to_draft(self, full: bool) -> int:
+        """Drafter slots to run this step (`full`: every slot, e.g. under a seeded row)."""
+        return self.num_drafts if full or not self.adaptive else self.draft_width
+
+    def ngram_plans(self, rows: Sequence[PolicyRow], budgets: list[int], width: int) -> list[NgramPlan | None]:
+        """Each row's n-gram proposal (at most `width` tokens, within its budget) and its expected
+        acceptance per slot: greedy rows shrink their own record towards the engine-wide one;
+        sampling rows use their own record only, so a seeded row decides the same in any batch."""
+        if width:
+            self.ngram_acceptance.fade(NGRAM_FADE)
+        plans: list[NgramPlan | None] = []
+        for row, budget in zip(rows, budgets):
+            index, record = row.ngram, row.ngram_acceptance
+            if index is None or record is None or width == 0 or budget == 0:
+                plans.append(None)
+                continue
+            # Catch the index up with what was committed since (prompt first, then the output).
+            seen, plen = len(index), len(row.prompt_ids)
+            if seen < plen:
+                index.extend(row.prompt_ids[seen:])
+                seen = plen
+            index.extend(row.output_ids[seen - plen :])
+            proposal = index.propose(min(width, budget))
+            if proposal is None:
+                plans.append(None)
+                continue
+            n, slots = proposal.match_len, len(proposal.tokens)
+            if row.params.temperature > 0:
+                est = record.estimate(n, slots, self.ngram_prior)
+            else:
+                est = record.estimate(n, slots, self.ngram_acceptance.estimate(n, slots, self.ngram_prior))
+            plans.append(NgramPlan(proposal.tokens, n, est.float()))
+        return plans
+
+    def drafter_rows(self, r: int, d: int, any_seeded: bool, plans: list[NgramPlan | None]) -> tuple[int, int] | None:
+        """Rows a..b-1 that run the drafter this step (one contiguous span of slots), or None."""
+        if d == 0:
+            return None
+        if any_seeded:
+            # A seeded row's choice must not depend on the batch: draft every row, never pause.
+            return 0, r
+        if self.skip_steps > 0:
+            self.skip_steps -= 1
+            return None
+        if not self.adaptive or self.drafter_gain is None:
+            return 0, r
+        # Rows whose n-gram match is expected to accept at least what the drafter lately did skip it.
+        want = [
+            i
+            for i, plan in enumerate(plans)
+            if plan is None or float(expected_accepted(plan.accept[None])[0, -1]) < self.drafter_gain
+        ]
+        return (min(want), max(want) + 1) if want else None
+
+    def choose(
+        self,
+        plans: list[NgramPlan | None],
+        confidence: torch.Tensor | None,
+        span: tuple[int, int],
+        budgets: list[int],
+        greedy_rows: list[bool],
+        full: bool,
+    ) -> StepChoice:
+        """Drafts per row: `confidence` [b - a, d] of the drafter's block for rows span = (a, b), or
+        None when the drafter did not run this step."""
+        r = len(plans)
+        a, b = span
+        d = confidence.shape[1] if confidence is not None else 0
+        conf = confidence.float().cpu() if confidence is not None else torch.zeros(0, 0)
+        ngram_len = [len(p.tokens) if p is not None else 0 for p in plans]
+        in_span = [confidence is not None and a <= i < b for i in range(r)]
+        if not self.adaptive:
+            choice = self._choose_fixed(conf, in_span, a, ngram_len, budgets)
+        else:
+            choice = StepChoice([0] * r, [False] * r)
+            self._choose_sampling_rows(choice, plans, conf, in_span, a, budgets, greedy_rows)
+            self._choose_greedy_rows(
+                choice, plans, conf, span if confidence is not None else None, budgets, greedy_rows
+            )
+        if confidence is not None:
+            used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
+            self._adapt_drafting(used, d, full)
+        return choice
+
+    def _choose_fixed(
+        self, conf: torch.Tensor, in_span: list[bool], a: int, ngram_len: list[int], budgets: list[int]
+    ) -> StepChoice:
+        """The drafter's block wherever it ran (up to the first doubtful slot), else the copy."""
+        r = len(in_span)
+        choice = StepChoice([0] * r, [False] * r)
+        confident = (conf >= self.draft_threshold).long().cumprod(-1).sum(-1).tolist()
+        for i in range(r):
+            if in_span[i]:
+                choice.counts[i] = min(confident[i - a], budgets[i])
+            elif ngram_len[i]:
+                choice.counts[i], choice.use_ngram[i] = ngram_len[i], True
+        return choice
+
+    def _choose_sampling_rows(
+        self,
+        choice: StepChoice,
+        plans: list[NgramPlan | None],
+        conf: torch.Tensor,
+        in_span: list[bool],
+        a: int,
+        budgets: list[int],
+        greedy_rows: list[bool],
+    ) -> None:
+        """A row-local, lossless rule. The count of each proposer is a stopping time of its own
+        draft sequence (`stopping_drafts`); which proposer is chosen depends only on what is known
+        before the first draft is drawn: the copy and its estimates, and the drafter's first-slot
+        confidence (later slots may depend on drawn drafts)."""
+        for i, plan in enumerate(plans):
+            if greedy_rows[i]:
+                continue
+            n_count, rate_n = 0, 0.0
+            if plan is not None:
+                n_count = int(stopping_drafts(plan.accept[None], torch.tensor([len(plan.tokens)]), 0.0, self.prior)[0])
+                rate_n = float(prior_rate(plan.accept[None], torch.tensor([n_count]), 0.0, self.prior)[0])
+            if in_span[i]:
+                c = conf[i - a]
+                geometric = c[:1].expand(c.shape[0])[None]
+                g_count = stopping_drafts(geometric, torch.tensor([budgets[i]]), 0.0, self.prior)
+                rate_d = float(prior_rate(geometric, g_count, 0.0, self.prior)[0])
+                if plan is not None and n_count > 0 and rate_n > rate_d:
+                    choice.counts[i], choice.use_ngram[i] = n_count, True
+                else:
+                    choice.counts[i] = int(stopping_drafts(c[None], torch.tensor([budgets[i]]), curve=self.prior)[0])
+            elif n_count > 0:
+                choice.counts[i], choice.use_ngram[i] = n_count, True
+
+    def _choose_greedy_rows(
+        self,
+        choice: StepChoice,
+        plans: list[NgramPlan | None],
+        conf: torch.Tensor,
+        span: tuple[int, int] | None,
+        budgets: list[int],
+        greedy_rows: list[bool],
+    ) -> None:
+        """Greedy rows never change their output with the drafts, so choose for the batch: the
+        shared width with the best expected token rate, each row taking the better proposer there."""
+        greedy_idx = [i for i, g in enumerate(greedy_rows) if g]
+        if not greedy_idx:
             return
-        confidence, num_drafts, accepted = confidence.cpu(), num_drafts.cpu(), accepted.cpu()
-        slot = torch.arange(confidence.shape[1])[None, :]
-        reached = (slot < num_drafts[:, None]) & (slot <= accepted[:, None])
-        hit = slot < accepted[:, None]
-        bins = self._bin(confidence)[reached]
-        self.reached.mul_(self.decay).index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
-        self.accepted.mul_(self.decay).index_add_(0, bins, hit[reached].double())
+        r, d = len(plans), conf.shape[1]
+        ngram_len = [len(p.tokens) if p is not None else 0 for p in plans]
+        width = max([d, *ngram_len])
+        budget_t = torch.tensor(budgets)
+        gain_d = torch.zeros(r, width + 1, dtype=torch.float64)
+        if span is not None:
+            a, b = span
+            calibrated = self.calibration.calibrate(conf).double()
+            gain_d[a:b] = capped_gain(expected_accepted(calibrated), width, budget_t[a:b])
+            # What the drafter is expected to add per row at full width: rows whose copy promises
+            # more skip the next drafter forward (`drafter_rows`).
+            mean_gain = float(expected_accepted(calibrated)[:, -1].mean())
+            self.drafter_gain = mean_gain if self.drafter_gain is None else 0.8 * self.drafter_gain + 0.2 * mean_gain
+        gain_n = torch.zeros(r, width + 1, dtype=torch.float64)
+        for i, plan in enumerate(plans):
+            if plan is not None:
+                gain_n[i] = capped_gain(expected_accepted(plan.accept[None].double()), width, torch.tensor([width]))[0]
+        best = torch.maximum(gain_d[greedy_idx], gain_n[greedy_idx])
+        draft_cost = self.costs.draft(span[1] - span[0]) if span is not None else 0.0
+        shared, _rate = best_shared_width(best, self.costs, draft_cost)
+        # Sampling rows may widen the forward: greedy rows use the padded width for free.
+        k = max([shared, *choice.counts])
+        if k == 0:
+            return
+        for i in greedy_idx:
+            if gain_n[i, k] > gain_d[i, k]:
+                choice.counts[i], choice.use_ngram[i] = min(k, ngram_len[i]), True
+            elif gain_d[i, k] > 0:
+                choice.counts[i] = min(k, d, budgets[i])
 
-    def calibrate(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Estimated acceptance probability for each confidence (same shape and device)."""
-        raw = confidence.cpu().double()
-        b = self._bin(raw)
-        rate = (self.accepted[b] + self.prior_weight * raw) / (self.reached[b] + self.prior_weight)
-        return rate.to(device=confidence.device, dtype=confidence.dtype)
+    def _adapt_drafting(self, used: int, d: int, full: bool) -> None:
+        """After a drafter forward that had `used` of its `d` slots verified (at most, over rows)."""
+        if not self.adaptive:
+            return
+        if used == 0:
+            # Speculation did not pay for several steps running: decode plainly for a while.
+            # (A decision from past steps only, so it is lossless for sampling rows too.)
+            # The first pause needs 3 such steps; a probe after a pause needs one, and
+            # each failed probe doubles the next pause (a drafter that never pays costs
+            # one draft every PAUSE_MAX steps).
+            self.no_gain_streak += 1
+            if self.no_gain_streak >= (3 if self.pause_len == PAUSE_MIN else 1):
+                self.skip_steps, self.no_gain_streak = self.pause_len, 0
+                self.pause_len = min(2 * self.pause_len, PAUSE_MAX)
+        else:
+            self.no_gain_streak = 0
+            self.pause_len = PAUSE_MIN
+        # Draft only as many slots as the policy has lately used (logits and head steps
+        # for slots that are never verified are wasted): grow when all were used.
+        if used >= d and self.draft_width < self.num_drafts:
+            self.draft_width += 1
+        elif used <= d - 2 and not full:
+            self.draft_width = max(1, self.draft_width - 1)
+
+    # -- what happened ------------------------------------------------------------------------
+    def observe_drafter(self, confidence: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Greedy rows that verified the drafter's drafts: confidence [R, k], verified [R], accepted [R]."""
+        self.calibration.observe(confidence, num_drafts, accepted)
+
+    def observe_ngram(self, row: PolicyRow, plan: NgramPlan, verified: int, accepted: int, greedy: bool) -> None:
+        """A row verified `verified` drafts of its copy and accepted the first `accepted`."""
+        if row.ngram_acceptance is not None:
+            row.ngram_acceptance.observe(plan.match_len, verified, accepted)
+        if greedy:
+            self.ngram_acceptance.observe(plan.match_len, verified, accepted)
 
 
 def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:
@@ -189,53 +351,20 @@ def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: St
     return best_shared_width(gain, costs, costs.draft(r))
 
 
-class NgramAcceptance:
-    """P(n-gram draft at slot j is accepted | slot j reached, the match had length n), learned from
-    verify steps with old observations fading, like `AcceptanceCalibration` for the drafter.
-
-    An estimate shrinks towards `prior` (another `NgramAcceptance`, e.g. the engine-wide one under a
-    row's own, or a constant while nothing was seen) in proportion to how little was observed.
-    """
-
-    def __init__(self, max_n: int, max_slots: int, prior_weight: float = 2.0, decay: float = 0.99) -> None:
-        self.prior_weight = prior_weight
-        self.decay = decay
-        self.reached = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
-        self.accepted = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
-
-    def fade(self, factor: float) -> None:
-        """Age the evidence without new observations (estimates drift back to their prior, so a
-        match length that once failed is tried again later)."""
-        self.reached.mul_(factor)
-        self.accepted.mul_(factor)
-
-    def observe(self, match_len: int, verified: int, accepted: int) -> None:
-        """One verify step of one row: `verified` n-gram drafts, the first `accepted` accepted."""
-        if verified <= 0:
-            return
-        reached = min(verified, accepted + 1)  # slots after the first rejection were never tested
-        self.fade(self.decay)
-        self.reached[match_len, :reached] += 1
-        self.accepted[match_len, :accepted] += 1
-
-    def estimate(self, match_len: int, slots: int, prior: torch.Tensor | float) -> torch.Tensor:
-        """Per-slot acceptance estimates [slots] for a match of length `match_len`; prior [slots] or a number."""
-        reached, acc = self.reached[match_len, :slots], self.accepted[match_len, :slots]
-        return (acc + self.prior_weight * prior) / (reached + self.prior_weight)
-
-
-NGRAM_PRIOR = 0.3  # acceptance of an n-gram draft before anything was observed (any value in (0, 1) is lossless)
-
-
-def prior_rate(confidence: torch.Tensor, count: torch.Tensor, draft_cost: float) -> torch.Tensor:
+def prior_rate(
+    confidence: torch.Tensor, count: torch.Tensor, draft_cost: float, curve: VerifyCurve = PRIOR_VERIFY_CURVE
+) -> torch.Tensor:
     """Expected tokens per unit of prior batch-1 step cost [R] when verifying count [R] drafts."""
     gain = expected_accepted(confidence).gather(1, count[:, None].long()).squeeze(1)
-    cost = torch.tensor([draft_cost + prior_verify(int(k) + 1) for k in count.tolist()], dtype=gain.dtype)
+    cost = torch.tensor([draft_cost + prior_verify(int(k) + 1, curve) for k in count.tolist()], dtype=gain.dtype)
     return (1 + gain) / cost.to(gain.device)
 
 
 def stopping_drafts(
-    confidence: torch.Tensor, budget: torch.Tensor, draft_cost: float = PRIOR_DRAFT_FRACTION
+    confidence: torch.Tensor,
+    budget: torch.Tensor,
+    draft_cost: float = PRIOR_DRAFT_FRACTION,
+    curve: VerifyCurve = PRIOR_VERIFY_CURVE,
 ) -> torch.Tensor:
     """Per-row draft count by a stopping rule, for sampling rows.
 
@@ -246,7 +375,7 @@ def stopping_drafts(
     """
     r, d = confidence.shape
     gain = expected_accepted(confidence)  # [R, D + 1]
-    cost = torch.tensor([draft_cost + prior_verify(k + 1) for k in range(d + 1)], dtype=gain.dtype)
+    cost = torch.tensor([draft_cost + prior_verify(k + 1, curve) for k in range(d + 1)], dtype=gain.dtype)
     rate = (1 + gain) / cost.to(gain.device)
     keeps_paying = (rate[:, 1:] >= rate[:, :-1]).long().cumprod(-1)
     return torch.minimum(keeps_paying.sum(-1), budget.clamp_min(0))

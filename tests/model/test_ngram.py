@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model.costs import NgramAcceptance
 from model.engine import Engine, SamplingParams
 from model.ngram import NgramIndex
-from model.policy import NgramAcceptance
 from model.sampling import sample_with_uniform, verify_sampling
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
@@ -172,7 +172,7 @@ def _engine(model, mode: str, batch: int, **kwargs) -> Engine:
     engine = Engine(TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=128, **kwargs)
     # Judge the policy by the prior step costs of the real default target: this toy's measured
     # costs are noise on a shared CPU, and the tests must see the same choices every run.
-    engine.costs = PriorCosts()
+    engine.policy.costs = PriorCosts()
     return engine
 
 
@@ -279,7 +279,7 @@ def test_sampling_with_ngram_matches_target_distribution(
         drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4, draft_vocab_size=5)
     engine = Engine(TargetModel(model), drafter, mode=mode, max_batch_size=128, max_model_len=24)
     if prior is not None:
-        engine.ngram_prior = prior
+        engine.policy.ngram_prior = prior
     prompt = [1, 2, 3, 5, 6, 1, 2, 3, 5, 6, 1, 2]  # the continuation 3, 5, 6, ... is on offer
     params = [SamplingParams(max_new_tokens=5, temperature=temperature, top_k=top_k, seed=i) for i in range(n)]
     results = engine.generate([prompt] * n, params)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from model.costs import AcceptanceCalibration, StepCosts
 from model.engine import SamplingParams
-from model.policy import AcceptanceCalibration, StepCosts, best_shared_drafts
+from model.policy import best_shared_drafts
 from tests.helpers import tiny_target
 from tests.model.test_engine import _hf_greedy, _oracle, _prompts
 
@@ -95,7 +96,7 @@ def test_adaptive_engine_stops_paying_for_confidently_wrong_drafts() -> None:
     refs = [_hf_greedy(model, p, 60) for p in prompts]
     conts = {f"gen-{i}": r for i, r in enumerate(refs)}
     wrong = _oracle(model, conts, corrupt={0}, draft_policy="adaptive")
-    wrong.costs = PriorCosts()
+    wrong.policy.costs = PriorCosts()
     results = wrong.generate(prompts, SamplingParams(max_new_tokens=60))
     assert [t for t, _, _ in results] == refs
     steps = sum(s.verify_steps for _, s, _ in results)
@@ -105,10 +106,26 @@ def test_adaptive_engine_stops_paying_for_confidently_wrong_drafts() -> None:
     assert wrong.draft_forwards <= 20, wrong.draft_forwards
 
     right = _oracle(model, conts, draft_policy="adaptive")
-    right.costs = PriorCosts()
+    right.policy.costs = PriorCosts()
     results = right.generate(prompts, SamplingParams(max_new_tokens=60))
     assert [t for t, _, _ in results] == refs
     lengths = [x for _, s, _ in results for x in s.acceptance_lengths]
     assert sum(lengths) / len(lengths) > 3.0, lengths
     # Drafting pays here, so it never pauses: the drafter runs on every decode step of the batch.
     assert right.draft_forwards == max(s.verify_steps for _, s, _ in results)
+
+
+def test_prior_curve_follows_where_the_target_runs() -> None:
+    # Sampling rows decide by the prior alone: with a bandwidth-bound target (bf16, GPUs) a verify
+    # over a whole block costs about one plain step, so a confident drafter drafts further.
+    from model.costs import BANDWIDTH_BOUND_VERIFY_CURVE, CPU_FP32_VERIFY_CURVE, prior_curve_for
+    from model.policy import stopping_drafts
+
+    assert prior_curve_for("cpu", torch.float32) is CPU_FP32_VERIFY_CURVE
+    assert prior_curve_for("cpu", torch.bfloat16) is BANDWIDTH_BOUND_VERIFY_CURVE
+    assert prior_curve_for("cuda:0", torch.float32) is BANDWIDTH_BOUND_VERIFY_CURVE
+    confidence = torch.full((1, 8), 0.6)
+    budget = torch.tensor([8])
+    on_cpu_fp32 = int(stopping_drafts(confidence, budget, curve=CPU_FP32_VERIFY_CURVE)[0])
+    bandwidth_bound = int(stopping_drafts(confidence, budget, curve=BANDWIDTH_BOUND_VERIFY_CURVE)[0])
+    assert bandwidth_bound > on_cpu_fp32 >= 1

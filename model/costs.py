@@ -1,0 +1,200 @@
+"""What the draft policy (model/policy.py) knows from measurement: step costs and acceptance.
+
+- `StepCosts`: verify and draft times by batch size and width, with a prior curve per device and
+  dtype until cells are measured.
+- `AcceptanceCalibration`: P(a drafter draft is accepted | the drafter's confidence).
+- `NgramAcceptance`: P(an n-gram copy's slot is accepted | the match length).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+# Verify cost relative to T = 1, used until the engine has measured its own (and always for sampling
+# rows, whose draft counts must not depend on timings). Where the target's matmuls are bound by
+# reading the weights (bf16 on a GPU, or on a CPU with native bf16) a forward over up to ~17 tokens
+# per row costs about one over a single token; fp32 GEMMs on a CPU slow down with every row
+# (bench.verify_cost; the fp32 curve is a 135M target on a 2-core CPU at context 300).
+CPU_FP32_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
+BANDWIDTH_BOUND_VERIFY_CURVE = {1: 1.0, 2: 1.02, 4: 1.05, 9: 1.12, 17: 1.3, 33: 1.9}
+PRIOR_VERIFY_CURVE = CPU_FP32_VERIFY_CURVE
+PRIOR_DRAFT_FRACTION = 0.15  # drafter step cost relative to a T = 1 verify
+
+VerifyCurve = dict[int, float]
+
+
+def prior_curve_for(device: torch.device | str, dtype: torch.dtype) -> VerifyCurve:
+    """The prior verify-cost curve of a target on `device` in `dtype`."""
+    if str(device).startswith("cuda") or dtype in (torch.bfloat16, torch.float16):
+        return BANDWIDTH_BOUND_VERIFY_CURVE
+    return CPU_FP32_VERIFY_CURVE
+
+
+def prior_verify(tokens: int, curve: VerifyCurve = PRIOR_VERIFY_CURVE) -> float:
+    """Piecewise-linear interpolation of a prior curve (linear extrapolation past its last point)."""
+    xs = sorted(curve)
+    if tokens <= xs[0]:
+        return curve[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if tokens <= hi:
+            w = (tokens - lo) / (hi - lo)
+            return curve[lo] * (1 - w) + curve[hi] * w
+    lo, hi = xs[-2], xs[-1]
+    slope = (curve[hi] - curve[lo]) / (hi - lo)
+    return curve[hi] + slope * (tokens - hi)
+
+
+TRUSTED_SAMPLES = 3  # measurements of a (batch, T) cell before it is believed over the prior's shape
+
+
+class StepCosts:
+    """Measured verify and draft times by batch size and T.
+
+    Each cell's estimate is a low quantile of its last `window` samples: on a shared machine
+    interference only ever adds time, so a low quantile follows the machine's own speed where a
+    moving average follows every stall (and one stall of a T = 3 forward would make drafting look
+    dear for many steps)."""
+
+    def __init__(self, window: int = 16, quantile: float = 0.25, prior: VerifyCurve = PRIOR_VERIFY_CURVE) -> None:
+        self.prior = prior
+        self.window = window
+        self.quantile = quantile
+        self.verify_s: dict[tuple[int, int], float] = {}
+        self.draft_s: dict[int, float] = {}
+        self.verify_n: dict[tuple[int, int], int] = {}  # samples per cell (all time)
+        self.draft_n: dict[int, int] = {}
+        self._samples: dict[object, deque[float]] = {}
+
+    def _observe(self, table: dict, counts: dict, key: object, seconds: float) -> None:
+        counts[key] = counts.get(key, 0) + 1
+        recent = self._samples.setdefault((id(table), key), deque(maxlen=self.window))
+        recent.append(seconds)
+        ordered = sorted(recent)
+        table[key] = ordered[int(self.quantile * (len(ordered) - 1))]
+
+    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
+        self._observe(self.verify_s, self.verify_n, (batch, tokens), seconds)
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        self._observe(self.draft_s, self.draft_n, batch, seconds)
+
+    def verify(self, batch: int, tokens: int) -> float:
+        """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.
+
+        Never more than a measured forward over more tokens at this batch size: one noisy sample
+        must not make a short verify look dearer than a long one (the policy would then never try,
+        and never measure, the short one)."""
+        longer = [s for (b, t), s in self.verify_s.items() if b == batch and t > tokens]
+        estimate = self._verify_estimate(batch, tokens)
+        if 0 < self.verify_n.get((batch, tokens), 0) < TRUSTED_SAMPLES:
+            # A cell measured once or twice (maybe in a noisy moment) may not look dearer than a
+            # well-measured one scaled by the prior curve: else it is never tried, never re-measured.
+            trusted = [(t, s) for (b, t), s in self.verify_s.items() if b == batch and t != tokens]
+            trusted = [(t, s) for t, s in trusted if self.verify_n[(batch, t)] >= TRUSTED_SAMPLES]
+            if trusted:
+                t, s = max(trusted, key=lambda ts: self.verify_n[(batch, ts[0])])
+                estimate = min(estimate, s * prior_verify(tokens, self.prior) / prior_verify(t, self.prior))
+        return min([estimate, *longer])
+
+    def _verify_estimate(self, batch: int, tokens: int) -> float:
+        if (batch, tokens) in self.verify_s:
+            return self.verify_s[(batch, tokens)]
+        same_batch = [(t, s) for (b, t), s in self.verify_s.items() if b == batch]
+        if same_batch:
+            t, s = min(same_batch, key=lambda ts: abs(ts[0] - tokens))
+            return s * prior_verify(tokens, self.prior) / prior_verify(t, self.prior)
+        if self.verify_s:
+            # Another batch size: assume cost grows with the total tokens in the forward.
+            (b, t), s = min(self.verify_s.items(), key=lambda kv: abs(kv[0][0] - batch))
+            return s * prior_verify(batch * tokens, self.prior) / prior_verify(b * t, self.prior)
+        return prior_verify(batch * tokens, self.prior)
+
+    def draft(self, batch: int) -> float:
+        if batch in self.draft_s:
+            return self.draft_s[batch]
+        if self.draft_s:
+            b, s = min(self.draft_s.items(), key=lambda kv: abs(kv[0] - batch))
+            return s * batch / b
+        return PRIOR_DRAFT_FRACTION * self.verify(batch, 1)
+
+
+class AcceptanceCalibration:
+    """P(a greedy draft is accepted | the drafter's confidence), learned from this engine's verify steps.
+
+    A drafter's top probability is an over-confident guess of acceptance when its training data is
+    thin (the shipped SmolLM2 drafter reports ~0.6 where ~0.2 is accepted), and a look-ahead rule fed
+    raw confidences keeps paying for rejected drafts. Each verified greedy slot that was reached (all
+    earlier drafts accepted) adds one observation to its confidence bin; the estimate is the bin's
+    acceptance rate, shrunk towards the raw confidence while the bin has few observations, and old
+    observations fade so the estimate follows the traffic. Used for greedy rows only: their output
+    does not depend on the draft count, so a batch-wide estimate cannot change what they emit.
+    """
+
+    def __init__(self, bins: int = 20, prior_weight: float = 2.0, decay: float = 0.998) -> None:
+        self.bins = bins
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.reached = torch.zeros(bins, dtype=torch.float64)
+        self.accepted = torch.zeros(bins, dtype=torch.float64)
+
+    def _bin(self, confidence: torch.Tensor) -> torch.Tensor:
+        return (confidence.double().clamp(0, 1) * self.bins).long().clamp_max(self.bins - 1)
+
+    def observe(self, confidence: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+        """confidence [R, k] of the verified slots, num_drafts [R] verified per row, accepted [R]."""
+        if confidence.numel() == 0:
+            return
+        confidence, num_drafts, accepted = confidence.cpu(), num_drafts.cpu(), accepted.cpu()
+        slot = torch.arange(confidence.shape[1])[None, :]
+        reached = (slot < num_drafts[:, None]) & (slot <= accepted[:, None])
+        hit = slot < accepted[:, None]
+        bins = self._bin(confidence)[reached]
+        self.reached.mul_(self.decay).index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
+        self.accepted.mul_(self.decay).index_add_(0, bins, hit[reached].double())
+
+    def calibrate(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Estimated acceptance probability for each confidence (same shape and device)."""
+        raw = confidence.cpu().double()
+        b = self._bin(raw)
+        rate = (self.accepted[b] + self.prior_weight * raw) / (self.reached[b] + self.prior_weight)
+        return rate.to(device=confidence.device, dtype=confidence.dtype)
+
+
+class NgramAcceptance:
+    """P(n-gram draft at slot j is accepted | slot j reached, the match had length n), learned from
+    verify steps with old observations fading, like `AcceptanceCalibration` for the drafter.
+
+    An estimate shrinks towards `prior` (another `NgramAcceptance`, e.g. the engine-wide one under a
+    row's own, or a constant while nothing was seen) in proportion to how little was observed.
+    """
+
+    def __init__(self, max_n: int, max_slots: int, prior_weight: float = 2.0, decay: float = 0.99) -> None:
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.reached = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
+        self.accepted = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
+
+    def fade(self, factor: float) -> None:
+        """Age the evidence without new observations (estimates drift back to their prior, so a
+        match length that once failed is tried again later)."""
+        self.reached.mul_(factor)
+        self.accepted.mul_(factor)
+
+    def observe(self, match_len: int, verified: int, accepted: int) -> None:
+        """One verify step of one row: `verified` n-gram drafts, the first `accepted` accepted."""
+        if verified <= 0:
+            return
+        reached = min(verified, accepted + 1)  # slots after the first rejection were never tested
+        self.fade(self.decay)
+        self.reached[match_len, :reached] += 1
+        self.accepted[match_len, :accepted] += 1
+
+    def estimate(self, match_len: int, slots: int, prior: torch.Tensor | float) -> torch.Tensor:
+        """Per-slot acceptance estimates [slots] for a match of length `match_len`; prior [slots] or a number."""
+        reached, acc = self.reached[match_len, :slots], self.accepted[match_len, :slots]
+        return (acc + self.prior_weight * prior) / (reached + self.prior_weight)
+
+
+NGRAM_PRIOR = 0.3  # acceptance of an n-gram draft before anything was observed (any value in (0, 1) is lossless)

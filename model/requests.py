@@ -1,0 +1,106 @@
+"""What a request asks of the engine and what the engine reports back, per step and per request.
+
+`SamplingParams` (validated on `Engine.add_request`), `RequestOutput` (one step's tokens of one
+request) with its running `RequestStats`, and `StepTiming` for the worker's metrics. The engine
+module re-exports them; they live apart so the wire side can read them without the step code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+class ContextLengthError(ValueError):
+    """prompt + max_new_tokens does not fit the engine's max_model_len."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # return this many top alternatives per token (None: no logprobs)
+    # Logits processors (model/logits_processors.py), applied to the target at every verify position.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # stop tokens are held back until this many tokens were generated
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
+    grammar: Any = None  # model.grammar.Grammar: its matcher masks the target; None: free text
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass
+class RequestStats:
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + 1
+    accepted_per_position: list[int] = field(default_factory=list)  # per draft slot
+    # The same counts split by who proposed the drafts: "drafter" or "ngram".
+    draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
+    accepted_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        if not self.acceptance_lengths:
+            return None
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None
+    stop_token_id: int | None = None  # the stop/EOS token that ended the request, if any
+    error: str | None = None
+    step_draft_tokens: int = 0  # drafts verified for this request in this step
+    step_accepted: list[int] = field(default_factory=list)  # accepted draft slots in this step
+    is_verify_step: bool = False
+    step_proposer: str | None = None  # "drafter" | "ngram" | None (no drafts verified this step)
+    # With capture_taps: target features [n, K*H] of the inputs committed this step (the prompt at
+    # prefill, then anchor + accepted drafts), i.e. of every position but the last token.
+    features: torch.Tensor | None = None
+
+
+@dataclass
+class StepTiming:
+    kind: str  # "prefill" | "decode"
+    batch_size: int
+    draft_seconds: float
+    verify_seconds: float
+    num_drafts: int = 0  # drafts per row in the verify forward (max over rows)
