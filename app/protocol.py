@@ -5,6 +5,9 @@ of the API gets a 400 naming it, and so does an OpenAI field this server does no
 carries the value that means "off" (a silent drop would answer as if it had been honoured). Fields
 that only concern billing or tracing (`IGNORED_FIELDS`) are accepted and ignored. Numbers that depend
 on the deployment (n, stop counts, context length) are checked in the routes against the settings.
+
+One file for the whole wire format, as vLLM keeps its protocol.py: it is declarations and field
+validation only, and one place to read is worth more than its length (over 400 lines).
 """
 
 from __future__ import annotations

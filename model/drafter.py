@@ -4,6 +4,9 @@ Shapes: R = rows in the batch, B = block size, H = hidden size, T = new tokens p
 L = key length, G = GRU size, V = draft vocabulary size (the full target vocabulary unless the
 checkpoint restricts it with `draft_vocab_ids`).
 
+The module is a little over 400 lines because the drafter, its context cache and its draft loop
+share the shapes above and read best together.
+
 The backbone has no embedding and no LM head: it borrows the target's (`bind_target`). Context
 features of committed tokens are projected once into each layer's keys/values and cached per row
 (`DraftContextCache`); a block `[anchor, MASK, ...]` attends non-causally to its row's context
