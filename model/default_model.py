@@ -269,7 +269,11 @@ def _build(cache_dir: Path, final: Path, progress: bool) -> None:
                 "gguf": GGUF_MEMBER,
             },
         )
-        os.chmod(build, 0o755)  # mkdtemp makes it 0700; the cache is an ordinary directory
+        # The cache is an ordinary directory, readable by other users (the image builds it as root and
+        # serves as another user): mkdtemp makes it 0700 and the weights are written 0600.
+        os.chmod(build, 0o755)
+        for path in build.iterdir():
+            os.chmod(path, 0o644)
         # Swap directories with renames so readers see the old tree or the new one, never a mix.
         if final.exists():
             trash = cache_dir / f".{MODEL_DIRNAME}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
