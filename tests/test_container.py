@@ -1,7 +1,9 @@
-"""The Docker image, checked without a Docker engine.
+"""The Docker image, checked without a Docker engine (`make test-container`, docker/smoke.sh, builds
+and runs the real image; it needs podman and the network, so it is not part of `make test`).
 
-- The Dockerfile's contract (pinned CUDA torch base, non-root user, HEALTHCHECK, 0.0.0.0, layer order,
-  no secrets), read from the file itself.
+- The Dockerfile's contract (a base image argument defaulting to the pinned CUDA torch image, non-root
+  user, HEALTHCHECK, 0.0.0.0, layer order, no secrets), read from the file itself, and that the CPU
+  build of docker/smoke.sh differs from it only in the base.
 - Its install and start steps run here outside Docker: `docker/install.sh --keep-torch all` into a
   fresh venv whose "base image" packages (torch and the rest) are the project's .venv, offline, so a
   pin the base does not satisfy fails instead of downloading; then `docker/entrypoint.sh` from that
@@ -11,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -33,6 +36,8 @@ DOCKERFILE = REPO_ROOT / "Dockerfile"
 INSTALL = REPO_ROOT / "docker" / "install.sh"
 ENTRYPOINT = REPO_ROOT / "docker" / "entrypoint.sh"
 HEALTHCHECK = REPO_ROOT / "docker" / "healthcheck.py"
+SMOKE = REPO_ROOT / "docker" / "smoke.sh"
+CPU_BASE = REPO_ROOT / "docker" / "make_cpu_base.sh"
 
 
 # -- the Dockerfile --------------------------------------------------------------------------------
@@ -78,18 +83,77 @@ def index_of(instructions: list[Instruction], op: str, pattern: str) -> int:
     return hits[0]
 
 
+def constraints_lines() -> list[str]:
+    return [x.strip() for x in (REPO_ROOT / "constraints.txt").read_text().splitlines()]
+
+
 def pinned(name: str) -> str:
     line = next(x for x in (REPO_ROOT / "requirements.txt").read_text().splitlines() if x.startswith(f"{name}=="))
     return line.split("==", 1)[1]
 
 
-def test_base_image_is_the_cuda_build_of_the_pinned_torch() -> None:
-    froms = [ins for ins in dockerfile() if ins.op == "FROM"]
-    assert len(froms) == 1
-    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn\d+-runtime", froms[0].args)
-    assert match, f"base image not pinned to an exact CUDA runtime tag: {froms[0].args}"
+def test_base_image_is_a_build_argument_defaulting_to_the_cuda_build_of_the_pinned_torch() -> None:
+    ins = dockerfile()
+    froms = [i for i, x in enumerate(ins) if x.op == "FROM"]
+    assert len(froms) == 1 and ins[froms[0]].args == "${BASE_IMAGE}"
+    # Declared before FROM (only such an ARG can be used in it), with the GPU image as its default.
+    (arg,) = [x.args for x in ins[: froms[0]] if x.op == "ARG"]
+    name, _, default = arg.partition("=")
+    assert name == "BASE_IMAGE"
+    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn\d+-runtime", default)
+    assert match, f"default base image not pinned to an exact CUDA runtime tag: {default}"
     # install.sh --keep-torch keeps the base image's torch: it must be the release CI tests with.
     assert match.group(1) == pinned("torch")
+
+
+def test_the_cpu_build_differs_only_in_its_base() -> None:
+    """docker/smoke.sh builds this same Dockerfile, on the base docker/make_cpu_base.sh makes, and the
+    one thing it passes that changes the image is BASE_IMAGE."""
+    smoke = SMOKE.read_text()
+    assert re.findall(r"--build-arg\s+(\S+)", smoke) == ['"BASE_IMAGE=$BASE_IMAGE"']
+    build_lines = [x for x in smoke.splitlines() if "BUILD_ARGS" in x]  # no other Dockerfile:
+    assert len(build_lines) >= 2 and not any(re.search(r"\s(-f|--file)[\s=]", x) for x in build_lines)
+    assert re.search(r'^\s*nice -n 10 "\$ENGINE" build "\$\{BUILD_ARGS\[@\]\}" "\$ROOT"', smoke, re.M)
+    assert "make_cpu_base.sh" in smoke
+    # Whatever it creates goes, also on failure.
+    assert re.search(r"^trap cleanup EXIT$", smoke, re.M)
+    # The CPU base installs exactly the pinned torch build: the version is read from constraints.txt.
+    base = CPU_BASE.read_text()
+    assert "grep -E '^torch==' \"$ROOT/constraints.txt\"" in base
+    assert pinned("torch") and any(x == f"torch=={pinned('torch')}+cpu" for x in constraints_lines())
+    recipe = (REPO_ROOT / "Makefile").read_text()
+    assert re.search(r"^test-container:.*\n\tbash docker/smoke\.sh$", recipe, re.M)
+    for script in (SMOKE, CPU_BASE):
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+
+
+def model_imports(module: Path) -> set[str]:
+    """The model.* modules a module of model/ imports (anywhere in it), followed through each other."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        tree = ast.parse(todo.pop().read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("model.") and name not in seen:
+                    seen.add(name)
+                    todo.append(REPO_ROOT / (name.replace(".", "/") + ".py"))
+    return seen
+
+
+def test_the_default_model_layer_copies_every_module_it_imports() -> None:
+    ins = dockerfile()
+    step = index_of(ins, "RUN", r"docker/install\.sh default-model /opt/venv\b")
+    copied = {p for x in ins[:step] if x.op == "COPY" for p in x.args.split()[:-1]}
+    needed = {"model/__init__.py", "model/default_model.py"}
+    needed |= {m.replace(".", "/") + ".py" for m in model_imports(REPO_ROOT / "model" / "default_model.py")}
+    assert needed <= copied, f"the default-model step would not find {sorted(needed - copied)}"
 
 
 def test_runtime_contract() -> None:
@@ -286,6 +350,8 @@ def test_entrypoint_fails_fast_on_a_model_missing_from_the_cache(image_venv: Pat
 def test_without_a_target_the_image_serves_the_embedded_default_on_the_cpu(
     image_venv: Path, converted: Path, tmp_path: Path, stopping: list[ServerProcess]
 ) -> None:
+    # The image converts it as root and serves it as another user: every file must be world-readable.
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in [converted, *converted.iterdir()])
     env = base_image_env(tmp_path)
     env["DOMINO_CACHE_DIR"] = str(converted.parent)  # the image's DOMINO_CACHE_DIR holds it likewise
     # The image's build step for it: here it finds the converted model and only verifies it.
