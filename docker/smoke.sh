@@ -115,6 +115,7 @@ if [ -z "${SMOKE_BASE_IMAGE:-}" ]; then
   CURRENT="base image"
   nice -n 10 bash "$ROOT/docker/make_cpu_base.sh" "$BASE_IMAGE" >/tmp/domino-smoke-base.$$.log 2>&1 || {
     tail -30 /tmp/domino-smoke-base.$$.log >&2
+    rm -f /tmp/domino-smoke-base.$$.log
     exit 1
   }
   rm -f /tmp/domino-smoke-base.$$.log
