@@ -38,6 +38,9 @@ OPERATIONS = [
     ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/version"),
 ]
 
 
