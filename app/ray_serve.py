@@ -148,7 +148,6 @@ def replica_app_builder(settings: Settings) -> Any:
 def install_cluster_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -> None:
     """Push this replica's families to the hub while the app runs; /metrics answers for all replicas."""
     from fastapi.responses import Response
-    from fastapi.routing import APIRoute
     from prometheus_client import CONTENT_TYPE_LATEST
 
     app_lifespan = app.router.lifespan_context
@@ -169,8 +168,12 @@ def install_cluster_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -
         return Response(cluster_exposition(by_replica), media_type=CONTENT_TYPE_LATEST)
 
     app.router.lifespan_context = lifespan_pushing_metrics
-    app.router.routes[:] = [r for r in app.router.routes if not (isinstance(r, APIRoute) and r.path == "/metrics")]
-    app.add_api_route("/metrics", cluster_metrics, methods=["GET"])
+    # The cluster route goes first, since routes match in list order: the app's own /metrics cannot be
+    # taken out (recent FastAPI keeps an included router whole rather than copying its routes into
+    # app.router.routes), so it stays, shadowed, and stays the schema's /metrics. response_model=None:
+    # the `Response` annotation is a string here that FastAPI could not resolve for /openapi.json.
+    app.add_api_route("/metrics", cluster_metrics, methods=["GET"], response_model=None, include_in_schema=False)
+    app.router.routes.insert(0, app.router.routes.pop())
 
 
 async def push_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -> None:
