@@ -236,6 +236,9 @@ def finite_values(result: list[dict[str, Any]]) -> list[float]:
 @needs_prometheus
 def test_every_dashboard_query_returns_data(live_prometheus: tuple[ServerProcess, PrometheusProcess]) -> None:
     srv, prom = live_prometheus
+    # Rates need a sample from before the traffic: on a loaded machine the first scrape could
+    # otherwise land after every request had finished (a histogram's rate is then 0/0 = NaN).
+    prom.wait_until(lambda: len(prom.query("domino_time_to_first_token_seconds_count")) > 0)
     started = time.time()
     send_traffic(srv)
     # Wait until Prometheus has scraped the final counts (and once more, so the last rate is complete).
