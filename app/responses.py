@@ -38,21 +38,6 @@ DONE = "data: [DONE]\n\n"
 # -- pieces of responses ----------------------------------------------------------------------------
 
 
-def summed_stats(stats: Sequence[RequestStats]) -> RequestStats:
-    """One request's statistics summed over its choices (counts add, per-step lists concatenate)."""
-    total = RequestStats()
-    for s in stats:
-        total.verify_steps += s.verify_steps
-        total.draft_tokens += s.draft_tokens
-        total.accepted_tokens += s.accepted_tokens
-        total.acceptance_lengths += s.acceptance_lengths
-        for who, n in s.draft_tokens_by_proposer.items():
-            total.draft_tokens_by_proposer[who] = total.draft_tokens_by_proposer.get(who, 0) + n
-        for who, n in s.accepted_tokens_by_proposer.items():
-            total.accepted_tokens_by_proposer[who] = total.accepted_tokens_by_proposer.get(who, 0) + n
-    return total
-
-
 def spec_decode_field(stats: RequestStats) -> SpecDecodeStats:
     return SpecDecodeStats(
         num_drafts=stats.verify_steps,
@@ -139,7 +124,7 @@ class ChoiceResult:
 
 def totals(results: Sequence[ChoiceResult]) -> tuple[RequestStats, int]:
     """(statistics summed over the choices, completion tokens)."""
-    return summed_stats([r.stats for r in results]), sum(r.num_tokens for r in results)
+    return RequestStats.summed([r.stats for r in results]), sum(r.num_tokens for r in results)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -228,12 +213,13 @@ async def stream_events(
                 finished += 1
                 choice_stats.append(event.stats or RequestStats())
                 if finished == num_choices and not include_usage:
-                    spec = spec_decode_field(summed_stats(choice_stats))
+                    spec = spec_decode_field(RequestStats.summed(choice_stats))
             chunk = fmt.event(event, spec)
             if chunk is not None:
                 yield chunk
         if include_usage:
-            yield fmt.tail(usage(prompt_tokens, completion_tokens), spec_decode_field(summed_stats(choice_stats)))
+            spec = spec_decode_field(RequestStats.summed(choice_stats))
+            yield fmt.tail(usage(prompt_tokens, completion_tokens), spec)
         yield DONE
     finally:
         service.worker.abort(handle)  # a no-op when everything finished

@@ -65,20 +65,21 @@ class StepCosts:
         self.draft_s: dict[int, float] = {}
         self.verify_n: dict[tuple[int, int], int] = {}  # samples per cell (all time)
         self.draft_n: dict[int, int] = {}
-        self._samples: dict[object, deque[float]] = {}
+        self._recent_verify: dict[tuple[int, int], deque[float]] = {}  # the last `window` samples per cell
+        self._recent_draft: dict[int, deque[float]] = {}
 
-    def _observe(self, table: dict, counts: dict, key: object, seconds: float) -> None:
+    def _observe(self, table: dict, counts: dict, samples: dict, key: object, seconds: float) -> None:
         counts[key] = counts.get(key, 0) + 1
-        recent = self._samples.setdefault((id(table), key), deque(maxlen=self.window))
+        recent = samples.setdefault(key, deque(maxlen=self.window))
         recent.append(seconds)
         ordered = sorted(recent)
         table[key] = ordered[int(self.quantile * (len(ordered) - 1))]
 
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
-        self._observe(self.verify_s, self.verify_n, (batch, tokens), seconds)
+        self._observe(self.verify_s, self.verify_n, self._recent_verify, (batch, tokens), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
-        self._observe(self.draft_s, self.draft_n, batch, seconds)
+        self._observe(self.draft_s, self.draft_n, self._recent_draft, batch, seconds)
 
     def verify(self, batch: int, tokens: int) -> float:
         """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.

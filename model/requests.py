@@ -62,6 +62,21 @@ class RequestStats:
     draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
     accepted_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def summed(cls, stats: list[RequestStats]) -> RequestStats:
+        """One request's statistics over its choices (counts add, per-step lists concatenate)."""
+        total = cls()
+        for s in stats:
+            total.verify_steps += s.verify_steps
+            total.draft_tokens += s.draft_tokens
+            total.accepted_tokens += s.accepted_tokens
+            total.acceptance_lengths += s.acceptance_lengths
+            for who, n in s.draft_tokens_by_proposer.items():
+                total.draft_tokens_by_proposer[who] = total.draft_tokens_by_proposer.get(who, 0) + n
+            for who, n in s.accepted_tokens_by_proposer.items():
+                total.accepted_tokens_by_proposer[who] = total.accepted_tokens_by_proposer.get(who, 0) + n
+        return total
+
     @property
     def mean_acceptance_length(self) -> float | None:
         if not self.acceptance_lengths:
