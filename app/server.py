@@ -42,7 +42,12 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         device,
     )
     started = time.monotonic()
-    kwargs: dict[str, Any] = {"draft_policy": settings.draft_policy, "ngram": settings.ngram}
+    kwargs: dict[str, Any] = {
+        "draft_policy": settings.draft_policy,
+        "ngram": settings.ngram,
+        "static_shapes": None if settings.static_shapes == "auto" else settings.static_shapes == "on",
+        "cuda_graphs": settings.cuda_graphs,
+    }
     if settings.block_size is not None:
         kwargs["max_drafts"] = settings.block_size
     engine, tokenizer = build_engine(

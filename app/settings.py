@@ -37,6 +37,14 @@ class Settings(BaseSettings):
     )
     dtype: Dtype = "auto"
     device: str = "auto"
+    static_shapes: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="verify and draft in fixed (batch, tokens) buckets over preallocated buffers, with no host "
+        "sync inside a step's forwards; auto: on for CUDA (padding is free there), off on the CPU",
+    )
+    cuda_graphs: bool = Field(
+        True, description="with static shapes on CUDA, capture each bucket in a CUDA graph at start-up and replay it"
+    )
     served_model_name: str | None = Field(None, description="model id clients send (default: derived from target)")
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
         "auto",

@@ -231,7 +231,8 @@ class DraftContextCache:
         dev = k.device
         rows = torch.arange(lo, lo + r, device=dev)[:, None, None]
         heads = torch.arange(kv, device=dev)[None, :, None]
-        pos = (start[:, None] + torch.arange(t, device=dev)[None, :])[:, None, :]
+        # Clamped: a padding row of a static-shape step may sit near the end (never counted).
+        pos = (start[:, None] + torch.arange(t, device=dev)[None, :]).clamp_max(self.capacity - 1)[:, None, :]
         self.keys[layer].index_put_((rows, heads, pos), k)
         self.values[layer].index_put_((rows, heads, pos), v)
 
@@ -251,6 +252,20 @@ class DraftResult:
     draft_probs: torch.Tensor | None  # [R, D, V] drafter distribution per slot (sampling rows only)
     confidence: torch.Tensor  # [R, D] largest probability of each slot's distribution (pre-draw)
     logits: torch.Tensor | None = None  # [R, D, V] final draft logits (return_logits=True)
+
+    def select(self, a: int, b: int, d: int) -> DraftResult:
+        """Rows a..b-1 and the first d slots."""
+
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[a:b, :d]
+
+        return DraftResult(
+            self.tokens[a:b, :d],
+            self.token_probs[a:b, :d],
+            cut(self.draft_probs),
+            self.confidence[a:b, :d],
+            cut(self.logits),
+        )
 
 
 class Drafter(nn.Module):
@@ -350,17 +365,20 @@ class Drafter(nn.Module):
             cache.write(i, lo, start, k, v)
         cache.lengths[lo : lo + r] += counts
 
-    def forward_block(self, cache: DraftContextCache, lo: int, block_tokens: torch.Tensor) -> torch.Tensor:
+    def forward_block(
+        self, cache: DraftContextCache, lo: int, block_tokens: torch.Tensor, static: bool = False
+    ) -> torch.Tensor:
         """Run blocks [R, B] for slots lo..lo+R-1, each placed right after its row's context.
 
         Returns final-normed hidden states [R, B, H]. Attention is non-causal over
-        [that row's context ; its block].
+        [that row's context ; its block]. `static` attends over the whole capacity (fixed shapes,
+        no read of the lengths back to the host: for CUDA graphs).
         """
         r, b = block_tokens.shape
         dev = block_tokens.device
         start = cache.lengths[lo : lo + r]
         positions = start[:, None] + torch.arange(b, device=dev)[None, :]
-        kv_len = int(start.max()) + b
+        kv_len = cache.capacity if static else int(start.max()) + b
         # Key j of row r is visible iff it is part of that row's context or its block.
         visible = torch.arange(kv_len, device=dev)[None, :] < (start[:, None] + b)
         mask = visible[:, None, None, :]

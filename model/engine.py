@@ -40,6 +40,7 @@ from model.sampling import (
     verify_greedy,
     verify_sampling,
 )
+from model.static import StaticSteps, batch_buckets
 from model.target import TargetModel, TargetOutput
 
 MODES = ("domino", "dflash", "ngram", "ar")
@@ -109,6 +110,8 @@ class Engine:
         ngram_max_n: int = 4,
         ngram_min_n: int = 1,
         ngram_max_drafts: int = 8,
+        static_shapes: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         _check_engine_args(mode, drafter, draft_policy)
         self.target = target
@@ -139,17 +142,59 @@ class Engine:
         self.capture = bool(capture_taps)
         self.want_features = self.drafter is not None or self.capture
         # Room for a full block of scratch keys behind the longest allowed context.
-        capacity = max_model_len + block + 1
-        self.cache = target.new_cache(max_batch_size, capacity)
+        capacity = max_model_len + max(block, self.max_drafts_per_step) + 1
+        # Static shapes (default on CUDA): padded batches use slots up to the largest batch bucket.
+        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
+        slots = batch_buckets(max_batch_size)[-1] if self.static_shapes else max_batch_size
+        self.cache = target.new_cache(slots, capacity)
         self.draft_cache = (
-            DraftContextCache(self.drafter.config, max_batch_size, capacity, target.dtype, self.device)
+            DraftContextCache(self.drafter.config, slots, capacity, target.dtype, self.device)
             if self.drafter is not None
             else None
         )
+        self.static: StaticSteps | None = None
+        if self.static_shapes:
+            self.static = self._build_static_steps(cuda_graphs)
         self.rows: list[_Row] = []  # row i lives in cache slot i
         self.waiting: deque[_Row] = deque()
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
+
+    @torch.inference_mode()
+    def _build_static_steps(self, cuda_graphs: bool) -> StaticSteps:
+        """Verify per (batch, T) bucket and the greedy proposal per batch bucket, built (and on CUDA
+        captured) now: T is 1 for `ar`/paused steps, else the widest verify any row may need."""
+        width = self.max_drafts_per_step
+        steps = StaticSteps(
+            self._static_verify,
+            self._static_propose if self.drafter is not None else None,
+            self.max_batch_size,
+            [1, width + 1] if width > 0 else [1],
+            self.device,
+            cuda_graphs,
+        )
+        steps.warm_up()
+        return steps
+
+    def _static_verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True)
+        return (out.logits,) if out.features is None else (out.logits, out.features)
+
+    def _static_propose(self, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Greedy drafts of a full block for slots 0..Rb-1 (backbone + head loop, fixed shapes)."""
+        assert self.drafter is not None and self.draft_cache is not None
+        r, dev = anchors.shape[0], anchors.device
+        block = torch.full((r, self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = anchors
+        hidden = self.drafter.forward_block(self.draft_cache, 0, block, static=True)
+        greedy = SamplingBatch(
+            temperature=torch.zeros(r, device=dev),
+            top_p=torch.ones(r, device=dev),
+            top_k=torch.zeros(r, dtype=torch.long, device=dev),
+            host_all_greedy=True,
+        )
+        draft = self.drafter.draft(hidden, anchors, greedy, num_slots=self.num_drafts)
+        return draft.tokens, draft.token_probs, draft.confidence
 
     def _attach_drafter(self, max_drafts: int | None, capture_taps: list[int] | None) -> int:
         """Tap the target for the drafter (or for captured training features); the block size."""
@@ -318,6 +363,7 @@ class Engine:
             top_p=torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=dev),
             uniforms=uniforms,
+            host_all_greedy=all(r.params.temperature <= 0 for r in rows),
         )
 
     def _draw_uniforms(self, rows: list[_Row], count: int) -> torch.Tensor:
@@ -420,6 +466,10 @@ class Engine:
         """Draft the first `num_slots` slots of one block per row (slots lo..). Subclasses may
         propose differently (tests' oracle)."""
         assert self.drafter is not None and self.draft_cache is not None
+        if self.static is not None and lo == 0 and sampling.all_greedy and num_slots == self.num_drafts:
+            drafted = self.static.run_propose(anchors)
+            if drafted is not None:
+                return DraftResult(drafted[0], drafted[1], None, drafted[2])
         block = torch.full(
             (len(rows), self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
         )
@@ -452,8 +502,9 @@ class Engine:
         drafts = self._assemble_drafts(proposals, choice, d)
         out, accepted, bonus = self._verify(lo, rows, anchors, sampling, uniforms, width, proposals, drafts, choice)
 
-        acc_list, bonus_list = accepted.tolist(), bonus.tolist()
-        drafts_list = drafts.tokens.tolist()
+        # One device->host copy of the step's results: accepted count, bonus and drafts per row.
+        host = torch.cat([accepted[:, None], bonus[:, None], drafts.tokens], dim=1).tolist()
+        acc_list, bonus_list, drafts_list = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
         new_tokens = [drafts_list[i][: acc_list[i]] + [bonus_list[i]] for i in range(len(rows))]
         logprobs = [
             self._logprobs(out.logits[i], new_tokens[i], row.params.logprobs)
@@ -485,7 +536,12 @@ class Engine:
             return _Proposals(plans, None, (0, 0))
         a, b = span
         t = time.perf_counter()
-        draft = self._propose(lo + a, rows[a:b], anchors[a:b], sampling.rows(torch.arange(a, b, device=self.device)), d)
+        if self.static is not None and lo == 0 and sampling.all_greedy:
+            # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
+            draft = self._propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
+        else:
+            rows_ab = sampling.rows(torch.arange(a, b, device=self.device))
+            draft = self._propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
         self.draft_forwards += 1
         self.policy.costs.observe_draft(b - a, time.perf_counter() - t)
         return _Proposals(plans, draft, span)
@@ -530,7 +586,7 @@ class Engine:
         dev = self.device
         tokens = torch.cat([anchors[:, None], drafts.tokens], dim=1)
         t_fwd = time.perf_counter()
-        out = self.target.forward(self.cache, lo, tokens, want_features=self.want_features)
+        out = self._target_verify(lo, tokens)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
         self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
@@ -540,8 +596,9 @@ class Engine:
         accepted = torch.zeros(r, dtype=torch.long, device=dev)
         bonus = torch.zeros(r, dtype=torch.long, device=dev)
         greedy = sampling.greedy
+        any_greedy = any(row.params.temperature <= 0 for row in rows)  # known on the host: no sync
         draft, (a, b) = proposals.draft, proposals.span
-        if bool(greedy.any()):
+        if any_greedy:
             g = greedy.nonzero().squeeze(1)
             acc_g, bonus_g = verify_greedy(scores[g], drafts.tokens[g], drafts.counts[g])
             accepted[g], bonus[g] = acc_g, bonus_g
@@ -553,7 +610,7 @@ class Engine:
                 self.policy.observe_drafter(
                     draft.confidence[idx - a, : min(k, d)].float(), drafts.counts[idx], accepted[idx]
                 )
-        if not bool(greedy.all()):
+        if not sampling.all_greedy:
             s = (~greedy).nonzero().squeeze(1)
             p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
             acc_s, bonus_s = verify_sampling(
@@ -571,6 +628,15 @@ class Engine:
             )
             accepted[s], bonus[s] = acc_s, bonus_s
         return out, accepted, bonus
+
+    def _target_verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
+        """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
+        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path."""
+        if self.static is not None and lo == 0:
+            out = self.static.run_verify(tokens)
+            if out is not None:
+                return TargetOutput(out[0], out[1] if len(out) > 1 else None)
+        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features)
 
     def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply

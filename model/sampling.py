@@ -19,6 +19,9 @@ class SamplingBatch:
     top_p: torch.Tensor  # [R] float in (0, 1]
     top_k: torch.Tensor  # [R] long, 0 = off
     uniforms: torch.Tensor | None = None  # [R, D] one uniform per draft slot (sampling rows)
+    # Whether every row is greedy, when the caller knows it on the host: no device->host read (a
+    # CUDA graph cannot contain one, and eagerly it stalls the launch queue).
+    host_all_greedy: bool | None = None
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -26,6 +29,8 @@ class SamplingBatch:
 
     @property
     def all_greedy(self) -> bool:
+        if self.host_all_greedy is not None:
+            return self.host_all_greedy
         return bool(self.greedy.all())
 
     def rows(self, index: torch.Tensor) -> SamplingBatch:
@@ -34,6 +39,8 @@ class SamplingBatch:
             self.top_p[index],
             self.top_k[index],
             None if self.uniforms is None else self.uniforms[index],
+            # A subset of all-greedy rows is all greedy; of mixed rows, unknown without a look.
+            True if self.host_all_greedy else None,
         )
 
 

@@ -41,16 +41,22 @@ class RaggedKVCache(Cache):
         self._kv_len = 0
         self._index: tuple[torch.Tensor, ...] = ()
 
-    def prepare(self, lo: int, start: torch.Tensor, num_new: int) -> None:
-        """Route the next forward's writes: rows lo.., token t of row r goes to start[r] + t."""
+    def prepare(self, lo: int, start: torch.Tensor, num_new: int, static: bool = False) -> None:
+        """Route the next forward's writes: rows lo.., token t of row r goes to start[r] + t.
+
+        static: attend over the whole capacity instead of the longest row (no device->host read of
+        the lengths, the same shapes every step: what a CUDA graph needs). Positions past the end
+        (padding of a row near its limit) are clamped onto the last slot, never a committed one."""
         r = start.shape[0]
         dev = start.device
         kv_heads = self.keys[0].shape[1]
         self._lo, self._hi = lo, lo + r
-        self._kv_len = int(start.max()) + num_new
+        self._kv_len = self.capacity if static else int(start.max()) + num_new
         rows = torch.arange(lo, lo + r, device=dev)[:, None, None]
         heads = torch.arange(kv_heads, device=dev)[None, :, None]
         pos = (start[:, None] + torch.arange(num_new, device=dev)[None, :])[:, None, :]
+        if static:
+            pos = pos.clamp_max(self.capacity - 1)
         self._index = (rows, heads, pos)
 
     def update(
@@ -128,17 +134,20 @@ class TargetModel:
         tokens: torch.Tensor,
         logits_at: torch.Tensor | None = None,
         want_features: bool = True,
+        static: bool = False,
     ) -> TargetOutput:
         """Run tokens [R, T] for slots lo..lo+R-1, placed at each row's current cache length.
 
         Rows with fewer real tokens pad on the right; padded positions are written past the
         row's length and never counted. `logits_at` [R] picks one position per row for the LM
-        head (prefill); otherwise logits for all T positions are returned.
+        head (prefill); otherwise logits for all T positions are returned. `static` attends over
+        the cache's whole capacity: shapes depend only on [R, T] and nothing is read back to the
+        host (model/static.py captures this in CUDA graphs).
         """
         r, t = tokens.shape
         start = cache.lengths[lo : lo + r]
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]
-        cache.prepare(lo, start, t)
+        cache.prepare(lo, start, t, static=static)
         kv_len = cache.get_seq_length()
         # Causal over each row's own committed prefix plus the new tokens.
         visible = torch.arange(kv_len, device=tokens.device)[None, None, :] <= positions[:, :, None]

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Like-for-like Domino vs DFlash (models/README.md "same budget"): the same data, steps, seed and
+# recipe, with and without the Domino head, then both evaluated on the held-out test slice.
+# Resumable: features skips stored shards, fit continues from its run directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+SHARDS=${SHARDS:-0,1}
+STEPS=${STEPS:-8000}            # x 32 blocks per step
+OUT=${OUT:-runs/pair}
+DATA=data/smollm2-135m-instruct
+TAPS=4,15,28
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+mkdir -p "$OUT"
+$PY -m train features --data $DATA --taps $TAPS --shards "$SHARDS" --threads 1
+common=(--data $DATA --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-size 8 --gru-size 256 --rank 64
+        --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --threads 1 --save-every 500
+        --steps "$STEPS" --eval-every 2000 --seed 0)
+$PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" > "$OUT/domino.log" 2>&1
+$PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" > "$OUT/dflash.log" 2>&1
+$PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1
+$PY -m train eval --drafter "$OUT/dflash" --modes dflash --slice test --json "$OUT/dflash/eval.json" > "$OUT/eval-dflash.log" 2>&1

@@ -1,0 +1,169 @@
+"""The static-shape path (model/static.py), run eagerly on the CPU: padded batch and token buckets,
+attention over the whole cache, no read of device values back to the host inside a bucket's
+function (what a CUDA graph needs), and token-identical output to HF generate and to the dynamic
+path in every mode, batch size and policy, with rows joining mid-decode and seeded sampling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model.engine import Engine, SamplingParams
+from model.static import batch_buckets, bucket_for
+from model.target import TargetModel
+from tests.helpers import tiny_drafter, tiny_target
+from tests.model.test_engine import OracleEngine, _hf_greedy, _prompts
+
+MODES = ("ar", "ngram", "dflash", "domino")
+
+
+def _engine(model: Any, mode: str, batch: int, static: bool = True, **kwargs: Any) -> Engine:
+    drafter = tiny_drafter(domino=True) if mode in ("dflash", "domino") else None
+    return Engine(
+        TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, static_shapes=static, **kwargs
+    )
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target_and_refs(request: pytest.FixtureRequest) -> tuple[Any, list[list[int]], list[int], list[list[int]]]:
+    model = tiny_target(request.param)
+    prompts = _prompts(8)
+    budgets = [20, 7, 13, 25, 4, 16, 11, 22]
+    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    return model, prompts, budgets, refs
+
+
+def test_buckets() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 4]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(9) == [1, 2, 4, 8, 16]
+    assert bucket_for(3, [1, 2, 4]) == 4
+    assert bucket_for(5, [1, 2, 4]) is None
+    assert bucket_for(1, [1, 9]) == 1 and bucket_for(2, [1, 9]) == 9
+
+
+CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
+
+
+@pytest.mark.parametrize(("mode", "batch", "policy"), CASES)
+def test_static_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
+    model, prompts, budgets, refs = target_and_refs
+    engine = _engine(model, mode, batch, draft_policy=policy)
+    assert engine.static is not None
+    results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
+    assert [tokens for tokens, _, _ in results] == refs
+    # The buckets really ran: every decode step went through one (batch 3 pads to 4 slots).
+    verify_calls = sum(f.calls for f in engine.static.verify.values())
+    assert verify_calls > 0
+    assert set(engine.static.verify) == {(rb, t) for rb in batch_buckets(batch) for t in engine.static.verify_widths}
+    if mode in ("dflash", "domino"):
+        assert sum(f.calls for f in engine.static.propose.values()) > 0
+    else:
+        assert not engine.static.propose
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_rows_join_mid_decode(target_and_refs, mode: str) -> None:
+    """Requests join every other step, so batches grow and shrink across buckets (1 -> 2 -> 4)."""
+    model, prompts, budgets, refs = target_and_refs
+    engine = _engine(model, mode, 4)
+    tokens: dict[str, list[int]] = {}
+    pending, steps, sizes = list(range(8)), 0, set()
+    while pending or engine.has_unfinished():
+        if pending and steps % 2 == 0:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], SamplingParams(max_new_tokens=budgets[i]))
+        sizes.add(engine.num_running)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    assert [tokens[str(i)] for i in range(8)] == refs
+    assert {1, 2, 3, 4} <= sizes
+    assert {rb for (rb, _), f in engine.static.verify.items() if f.calls} == {1, 2, 4}
+
+
+def test_static_oracle_accepts_full_blocks() -> None:
+    """Perfect drafts through the padded verify: whole blocks are accepted and counted exactly."""
+    model = tiny_target()
+    prompts = _prompts(3)
+    refs = [_hf_greedy(model, p, 21) for p in prompts]
+    engine = OracleEngine(
+        TargetModel(model),
+        tiny_drafter(domino=False, block_size=5),
+        mode="dflash",
+        max_batch_size=3,
+        max_model_len=96,
+        continuations={f"gen-{i}": r for i, r in enumerate(refs)},
+        draft_policy="fixed",
+        ngram=False,
+        static_shapes=True,
+    )
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=21))
+    for (tokens, stats, _), ref in zip(results, refs):
+        assert tokens == ref
+        assert stats.acceptance_lengths[:4] == [5, 5, 5, 5]
+    assert engine.static is not None and engine.static.verify[(4, 5)].calls > 0
+
+
+def test_static_seeded_sampling_same_as_dynamic() -> None:
+    """Seeded sampling rows (and a greedy row beside them) choose the same tokens through the
+    padded buckets as through the dynamic path."""
+    model = tiny_target()
+    prompts = _prompts(4)
+    params = [
+        SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234),
+        SamplingParams(max_new_tokens=17, temperature=0),
+        SamplingParams(max_new_tokens=20, temperature=1.2, seed=7),
+        SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, seed=99),
+    ]
+    for mode in ("domino", "ngram"):
+        dynamic = _engine(model, mode, 4, static=False).generate(prompts, params)
+        static = _engine(model, mode, 4, static=True).generate(prompts, params)
+        assert [t for t, _, _ in static] == [t for t, _, _ in dynamic]
+
+
+class HostReads(TorchDispatchMode):
+    """Counts ops that read a device value back to the host (.item(), int(t), bool(t), ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (
+            torch.ops.aten.item.default,
+            torch.ops.aten._local_scalar_dense.default,
+            torch.ops.aten.is_nonzero.default,
+        ):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_bucket_functions_never_read_back_to_the_host(kind: str) -> None:
+    """A CUDA graph cannot contain a host sync: the static verify and proposal functions must not
+    read any device value (the dynamic forward does: the longest row sets the attention span)."""
+    engine = _engine(tiny_target(kind), "domino", 2)
+    engine.generate(_prompts(2), SamplingParams(max_new_tokens=6))  # rows with real, unequal lengths
+    tokens = torch.zeros(2, engine.max_drafts_per_step + 1, dtype=torch.long)
+    with torch.inference_mode():
+        with HostReads() as static_reads:
+            engine._static_verify(tokens)
+            engine._static_propose(torch.zeros(2, dtype=torch.long))
+        with HostReads() as dynamic_reads:
+            engine.target.forward(engine.cache, 0, tokens)
+    assert static_reads.reads == []
+    assert dynamic_reads.reads  # the check can fail: the dynamic path does read back
+
+
+def test_padded_slots_are_never_counted() -> None:
+    """Batch 3 runs in the 4-row bucket: the padding slot's cache length never moves."""
+    model = tiny_target()
+    engine = _engine(model, "domino", 3, draft_policy="fixed")
+    assert engine.cache.lengths.shape[0] == 4
+    engine.generate(_prompts(3), SamplingParams(max_new_tokens=12))
+    assert int(engine.cache.lengths[3]) == 0
