@@ -186,6 +186,9 @@ def summarize(records: dict[str, list[dict[str, Any]]], num_drafts: dict[str, in
             "decode_tokens_per_s": speed,
             "speedup": speed / base_speed if base_speed else None,
             "tau_mean": sum(taus) / len(taus) if taus else None,
+            # Share of verify steps that verified drafts: a τ near 1 with a low share means the
+            # policy kept speculation off, not that the drafts failed.
+            "draft_step_share": sum(r.get("steps_with_drafts", 0) for r in recs) / len(taus) if taus else None,
             "greedy_mismatches": None if mode == "hf-generate" or not base else len(mismatches),
             "mismatch_details": [r["mismatch"] for r in mismatches],
             "prompts": len(recs),
@@ -214,18 +217,19 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     stem = json_path.with_suffix("")
     lines = [
-        "| mode | decode tok/s | speedup vs hf-generate | τ mean | accepted drafter / ngram | greedy mismatches "
-        "| prompts | new tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | decode tok/s | speedup vs hf-generate | τ mean | steps verifying drafts | accepted drafter / ngram "
+        "| greedy mismatches | prompts | new tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in result["modes"].items():
         sp = f"{m['speedup']:.2f}×" if m["speedup"] is not None else "–"
         tau = f"{m['tau_mean']:.2f}" if m["tau_mean"] is not None else "–"
+        share = f"{m['draft_step_share']:.0%}" if m.get("draft_step_share") is not None else "–"
         mm = "–" if m["greedy_mismatches"] is None else str(m["greedy_mismatches"])
         bp = m.get("by_proposer")
         who = f"{bp['drafter']['accepted_tokens']} / {bp['ngram']['accepted_tokens']}" if bp else "–"
         lines.append(
-            f"| {mode} | {m['decode_tokens_per_s']:.1f} | {sp} | {tau} | {who} | {mm} | {m['prompts']} "
+            f"| {mode} | {m['decode_tokens_per_s']:.1f} | {sp} | {tau} | {share} | {who} | {mm} | {m['prompts']} "
             f"| {m['new_tokens']} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -342,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
             if stats is not None:
                 rec["acceptance_lengths"] = list(stats.acceptance_lengths)
+                rec["steps_with_drafts"] = stats.steps_with_drafts
                 rec["accepted_per_position"] = list(stats.accepted_per_position)
                 rec["draft_tokens_by_proposer"] = dict(stats.draft_tokens_by_proposer)
                 rec["accepted_tokens_by_proposer"] = dict(stats.accepted_tokens_by_proposer)

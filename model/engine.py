@@ -679,6 +679,7 @@ class Engine:
             row.anchor = bonus_list[i]
             st = row.stats
             st.verify_steps += 1
+            st.steps_with_drafts += n_i > 0
             st.draft_tokens += n_i
             st.accepted_tokens += a_i
             if proposer is not None:

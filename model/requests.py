@@ -54,6 +54,7 @@ class SamplingParams:
 @dataclass
 class RequestStats:
     verify_steps: int = 0
+    steps_with_drafts: int = 0  # verify steps that verified at least one draft
     draft_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + 1
@@ -68,6 +69,7 @@ class RequestStats:
         total = cls()
         for s in stats:
             total.verify_steps += s.verify_steps
+            total.steps_with_drafts += s.steps_with_drafts
             total.draft_tokens += s.draft_tokens
             total.accepted_tokens += s.accepted_tokens
             total.acceptance_lengths += s.acceptance_lengths

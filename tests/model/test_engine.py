@@ -59,10 +59,11 @@ def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, poli
         assert reason == "length"
         assert sum(stats.acceptance_lengths) == len(ref) - 1  # the first token comes from prefill
         if mode == "ar":
-            assert stats.draft_tokens == 0
+            assert stats.draft_tokens == 0 and stats.steps_with_drafts == 0
         elif policy == "fixed":
             # Every budget here leaves room for drafts after the prefill token: drafts were verified.
             assert stats.draft_tokens > 0, stats
+            assert 0 < stats.steps_with_drafts <= stats.verify_steps
     if mode == "ar":
         assert engine.draft_forwards == 0
     else:
