@@ -44,6 +44,26 @@ def eval_cmd(args: argparse.Namespace) -> None:
     run(args)
 
 
+def walk_cmd(args: argparse.Namespace) -> None:
+    from train.evaluate import walk_cmd as run
+
+    run(args)
+
+
+def _walk_parser(sub: argparse._SubParsersAction) -> None:
+    w = sub.add_parser("walk", help="offline τ on fit's validation sequences (stored features), walk and fixed anchors")
+    w.add_argument("--target", default="default")
+    w.add_argument("--drafter", required=True)
+    w.add_argument("--data", required=True, help="directory of gen shards (shard 0's features must be stored)")
+    w.add_argument("--features-dir", default=None)
+    w.add_argument("--val-samples", type=int, default=64)
+    w.add_argument("--val-tokens", type=int, default=128)
+    w.add_argument("--stride", type=int, action="append", default=[], help="also at anchors every N tokens")
+    w.add_argument("--threads", type=int, default=None)
+    w.add_argument("--json", default=None)
+    w.set_defaults(func=walk_cmd)
+
+
 def _gen_parser(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("gen", help="regenerate answers with the target (resumable token-id shards)")
     g.add_argument("--target", default="default")
@@ -145,7 +165,7 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domino-train", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_gen_parser, _features_parser, _fit_parser, _eval_parser):
+    for add in (_gen_parser, _features_parser, _fit_parser, _eval_parser, _walk_parser):
         add(sub)
     return parser
 

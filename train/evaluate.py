@@ -75,8 +75,13 @@ def offline_walk(
     sequences: list[tuple[torch.Tensor, torch.Tensor, int]],
     max_new_tokens: int = 128,
     batch_size: int = 32,
+    anchor_stride: int | None = None,
 ) -> dict[str, object]:
     """The engine's greedy walk (fixed policy, full blocks) replayed on stored target answers.
+
+    With `anchor_stride` s the anchors are fixed instead (every s-th answer token, whatever was
+    accepted): the measure of docs/design.md's CPU training curve. It reads higher than the walk,
+    whose anchors follow each rejection, i.e. sit where the drafter just failed.
 
     sequences: (ids [N], target features [N, K*H], answer start p). When the answers are the
     target's own greedy output, the engine would commit exactly these tokens; each step drafts a
@@ -90,7 +95,7 @@ def offline_walk(
     lengths: list[int] = []
     for lo in range(0, len(sequences), batch_size):
         chunk = sequences[lo : lo + batch_size]
-        lengths.extend(_walk_batch(drafter, chunk, max_new_tokens, dev))
+        lengths.extend(_walk_batch(drafter, chunk, max_new_tokens, dev, anchor_stride))
     return {
         "tau": sum(lengths) / max(1, len(lengths)),
         "steps": len(lengths),
@@ -100,7 +105,11 @@ def offline_walk(
 
 
 def _walk_batch(
-    drafter: Drafter, chunk: list[tuple[torch.Tensor, torch.Tensor, int]], max_new_tokens: int, dev: torch.device
+    drafter: Drafter,
+    chunk: list[tuple[torch.Tensor, torch.Tensor, int]],
+    max_new_tokens: int,
+    dev: torch.device,
+    anchor_stride: int | None = None,
 ) -> list[int]:
     cfg = drafter.config
     s, b, d = len(chunk), cfg.block_size, cfg.num_drafts
@@ -145,7 +154,8 @@ def _walk_batch(
         valid = (a[:, None] + 1 + torch.arange(d, device=dev)) < draft_end[:, None]
         accepted = ((drafts == truth) & valid).long().cumprod(-1).sum(-1)
         lengths.extend((accepted[active] + 1).tolist())
-        anchor = torch.where(active, anchor + accepted + 1, anchor)
+        step = accepted + 1 if anchor_stride is None else torch.full_like(accepted, anchor_stride)
+        anchor = torch.where(active, anchor + step, anchor)
 
 
 def eval_cmd(args: argparse.Namespace) -> None:
@@ -163,3 +173,36 @@ def eval_cmd(args: argparse.Namespace) -> None:
     print(json.dumps(result_json, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result_json, indent=2) + "\n")
+
+
+def walk_cmd(args: argparse.Namespace) -> None:
+    """`domino-train walk`: a drafter's offline τ on the validation sequences fit holds out (the
+    last `--val-samples` of the first shard, stored features needed), as the engine's walk and,
+    with `--stride`, at fixed anchors."""
+    from train.fit import TrainingData
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load_target(args.target, torch.float32, "cpu")
+    target = TargetModel(model)
+    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    data_args = argparse.Namespace(
+        data=args.data,
+        features_dir=args.features_dir,
+        online_features=False,
+        stored_only=True,
+        topk=16,
+        target=args.target,
+        max_samples=None,
+        val_samples=args.val_samples,
+    )
+    data = TrainingData(data_args, list(drafter.config.target_layer_ids), target)
+    seqs = [(ids, f, start) for ids, f, start, _, _ in data.load(data.val, soft=False)]
+    result: dict[str, object] = {"walk": offline_walk(drafter, seqs, args.val_tokens)}
+    for stride in args.stride:
+        result[f"every_{stride}"] = offline_walk(drafter, seqs, args.val_tokens, anchor_stride=stride)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")

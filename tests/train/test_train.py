@@ -230,6 +230,13 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     print(f"tiny target: tau untrained {tau_untrained:.2f}, trained {tau_trained:.2f}")
     assert tau_trained > tau_untrained + 0.2
     _check_offline_walk_equals_engine(tiny_target_dir, trained, data)
+    # `walk` replays fit's own validation: the same τ as the best validation row.
+    walk_json = tmp_path / "walk.json"
+    walk_args = ["--data", str(data), "--features-dir", str(features), "--val-samples", "4", "--stride", "3"]
+    main(["walk", "--target", str(tiny_target_dir), "--drafter", str(trained), *walk_args, "--json", str(walk_json)])
+    walked = json.loads(walk_json.read_text())
+    assert walked["walk"]["tau"] == pytest.approx(best, abs=2e-2)  # bf16-stored weights vs fit's fp32 ones
+    assert walked["every_3"]["steps"] > 0
 
 
 def _check_offline_walk_equals_engine(target_dir: Path, drafter_dir: Path, data: Path) -> None:
@@ -252,6 +259,14 @@ def _check_offline_walk_equals_engine(target_dir: Path, drafter_dir: Path, data:
     assert walk["steps"] == engine["steps"]
     assert walk["tau"] == pytest.approx(engine["tau"], abs=1e-9)
     assert walk["tau_per_slot"] == engine["tau_per_slot"]
+    # Fixed anchors (the design notes' curve): one block every `stride` answer tokens, whatever
+    # was accepted; a block's length never depends on where the walk would have gone.
+    spans = [min(len(s["answer"]), 24) - 1 for s in samples]
+    for stride in (1, 3):
+        fixed = offline_walk(
+            drafter, [(torch.tensor(q), f, len(p)) for q, f, p in zip(seqs, feats, prompts)], 24, anchor_stride=stride
+        )
+        assert fixed["steps"] == sum(-(-n // stride) for n in spans if n > 0)
 
 
 def test_distillation_targets_and_loss() -> None:
