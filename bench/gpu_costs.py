@@ -11,13 +11,20 @@ project's own code paths, and turns the times into projected speedups next to th
   the Domino head's sequential cost;
 - context append (`Drafter.append_context` of B + 1 verified tokens' features);
 - a real `Engine.step()` per mode; what is left after subtracting the parts above is the engine's
-  own per-step overhead (host syncs, sampling set-up, acceptance bookkeeping).
+  own per-step overhead (host syncs, sampling set-up, acceptance bookkeeping);
+- graph vs eager (`--variants`): the verify at T = 1 (`ar`) and T = B + 1 (`domino`), the greedy
+  proposal (drafter backbone + head loop) and the engine step per mode, through the engine's own
+  entry points, for the dynamic path (`eager`), the static-shape buckets run eagerly (`static`) and
+  the buckets replayed as CUDA graphs (`graph`; on the CPU it runs the same code as `static`), with
+  each static engine's warm-up (graphs captured, seconds, memory). Static-shape forwards attend
+  over the whole cache capacity, so their cost follows the engine's capacity, not the context.
 
 Projected speedup = tau * t_target(1) / (t_draft + t_verify), with t_verify the target forward of
 B + 1 tokens for Domino (shift_label: B drafts + anchor) and B tokens for DFlash (B - 1 drafts).
 
     python -m bench.gpu_costs                                # full size on CUDA, bf16
     python -m bench.gpu_costs --scale 16 --device cpu        # every width / 16, on the CPU
+    python -m bench.gpu_costs --variants eager               # without the static / graph engines
 
 Random weights give random drafts, so acceptance is not measured here; tau comes from the paper.
 Step costs do not depend on acceptance (every verify runs all drafts; rollback is free).
@@ -34,6 +41,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -80,9 +88,17 @@ DEFINITIONS = {
     "projection.<m>.speedup": "tau * target_ms[1] / (t_draft + t_verify); Domino verifies B + 1, DFlash B tokens",
     "projection.<m>.speedup_engine": "tau * engine.ar.step_ms / engine.<m>.step_ms",
     "projection.domino.head_overhead": "head_ms / (backbone + draft_base + append + target_ms[B + 1])",
+    "projection.<m>.speedup_graph": "tau * graph ar step_ms / graph <m> step_ms (variant graph)",
+    "graph_vs_eager.verify_<T>": "Engine._target_verify of T tokens per row (T = 1: ar engine, T = W + 1: domino)",
+    "graph_vs_eager.propose_<m>": "Engine._propose of a full greedy block (backbone + draft; the static bucket)",
+    "graph_vs_eager.step_<m>": "Engine.step() of the <m> engine, as engine.<m>.step_ms",
+    "warmup": "StaticSteps.warm_up of each static engine: buckets captured as graphs / run eagerly, s, MiB",
+    "warmup.pools_mib": "memory_reserved growth over the engine's build minus its KV caches (CUDA; graph pools)",
 }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 17)
 MODES = ("ar", "dflash", "domino")
+# Engine variants: (static_shapes, cuda_graphs). eager is the dynamic path (the default on the CPU).
+VARIANTS: dict[str, tuple[bool, bool]] = {"eager": (False, False), "static": (True, False), "graph": (True, True)}
 
 
 # -- model shapes ------------------------------------------------------------------------------
@@ -285,6 +301,24 @@ def measure_forwards(
     return out
 
 
+def measure_calls(engine: Engine, batch: int, ctx: int, timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
+    """The engine's own verify (T = 1 for ar, T = W + 1 with a drafter) and greedy proposal of a
+    full block, at context ctx: through a static-shape bucket where the engine has them."""
+    engine.cache.lengths[:batch] = ctx  # neither call advances the caches
+    if engine.draft_cache is not None:
+        engine.draft_cache.lengths[:batch] = ctx
+    gen = torch.Generator(device=engine.device).manual_seed(ctx)
+    out: dict[str, Any] = {"verify_ms": {}}
+    for t in [1] if engine.drafter is None else [engine.max_drafts_per_step + 1]:
+        tokens = torch.randint(0, engine.target.vocab_size, (batch, t), device=engine.device, generator=gen)
+        out["verify_ms"][t] = timed(partial(engine._target_verify, 0, tokens))
+    if engine.drafter is not None:
+        anchors = torch.tensor([row.anchor for row in engine.rows], dtype=torch.long, device=engine.device)
+        sampling = engine._sampling_batch(engine.rows, None)  # greedy rows: the static bucket's case
+        out["propose_ms"] = timed(partial(engine._propose, 0, engine.rows, anchors, sampling, engine.num_drafts))
+    return out
+
+
 def measure_engine(
     target: TargetModel,
     drafter: Drafter,
@@ -293,12 +327,17 @@ def measure_engine(
     contexts: list[int],
     args: argparse.Namespace,
     device: torch.device,
-) -> dict[int, dict[str, Any]]:
-    """Median `Engine.step()` time of a full batch of decode rows at each context length."""
+    variant: str = "eager",
+) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+    """Median `Engine.step()` time of a full batch of decode rows at each context length, and of the
+    engine's verify and proposal calls; with the engine's capacity and static-shape warm-up."""
+    static_shapes, cuda_graphs = VARIANTS[variant]
     steps = (args.warmup + args.repeats) * len(contexts)
     b = drafter.config.block_size
     # Room for every timed step's output (rows must not finish while being timed).
     max_model_len = max(contexts) + (b + 1) * (steps + 2) + 8
+    free_memory(device)
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     # draft_policy "fixed" verifies every draft: the published numbers (and the projection here)
     # are for full blocks, and the adaptive policy would shrink them for a random drafter.
     engine = Engine(
@@ -308,7 +347,22 @@ def measure_engine(
         max_batch_size=batch,
         max_model_len=max_model_len,
         draft_policy="fixed",
+        static_shapes=static_shapes,
+        cuda_graphs=cuda_graphs,
     )
+    report = engine.static.report if engine.static is not None else None
+    info: dict[str, Any] = {"capacity": engine.cache.capacity, "warmup": None}
+    if report is not None:
+        info["warmup"] = {**asdict(report), "memory_mib": report.memory_bytes / 2**20, "pools_mib": 0.0}
+        if device.type == "cuda":
+            # The report counts tensors alive after warm-up; the graphs' private pools stay reserved
+            # beyond that. Reserved growth over the engine's build minus its caches bounds both.
+            caches = [*engine.cache.keys, *engine.cache.values]
+            if engine.draft_cache is not None:
+                caches += [*engine.draft_cache.keys, *engine.draft_cache.values]
+            cache_bytes = sum(t.numel() * t.element_size() for t in caches)
+            grown = torch.cuda.memory_reserved(device) - reserved
+            info["warmup"]["pools_mib"] = (grown - cache_bytes) / 2**20
     prompt_len = 4
     for i in range(batch):
         prompt = [(7 * i + j) % target.vocab_size for j in range(prompt_len)]
@@ -328,8 +382,23 @@ def measure_engine(
         ms = timed(step)
         timing = engine.last_timing
         assert timing is not None and timing.kind == "decode" and engine.num_running == batch
-        out[ctx] = {"step_ms": ms, "num_drafts": timing.num_drafts}
-    return out
+        out[ctx] = {"step_ms": ms, "num_drafts": timing.num_drafts, **measure_calls(engine, batch, ctx, timed)}
+    return out, info
+
+
+def graph_vs_eager(by_variant: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Part -> variant -> ms, from each variant's engine measurements of one (batch, context): the
+    verify at T = 1 (ar engine) and T = W + 1 (domino), the proposal and the step per mode."""
+    parts: dict[str, dict[str, float]] = {}
+    for variant, modes in by_variant.items():
+        for mode in ("ar", "domino"):
+            for t, ms in modes[mode]["verify_ms"].items():
+                parts.setdefault(f"verify_{t}", {})[variant] = ms
+        for mode in ("dflash", "domino"):
+            parts.setdefault(f"propose_{mode}", {})[variant] = modes[mode]["propose_ms"]
+        for mode in MODES:
+            parts.setdefault(f"step_{mode}", {})[variant] = modes[mode]["step_ms"]
+    return parts
 
 
 def engine_overhead(row: dict[str, Any], mode: str) -> float:
@@ -400,7 +469,7 @@ def markdown(result: dict[str, Any]) -> str:
         "### Drafter and engine",
         "",
         "| batch | context | backbone | draft (head off) | draft (Domino) | head | append | "
-        "engine step ar / dflash / domino | engine overhead ar / dflash / domino |",
+        "engine step (dynamic) ar / dflash / domino | engine overhead ar / dflash / domino |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -437,7 +506,73 @@ def markdown(result: dict[str, Any]) -> str:
         f"{f_pub['tau']} -> {f_pub['speedup']}x.",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + markdown_graphs(result))
+
+
+PART_LABELS = {
+    "verify": "verify T={} ({})",
+    "propose_dflash": "propose (dflash: backbone + base draft)",
+    "propose_domino": "propose (domino: backbone + head loop)",
+    "step_ar": "engine step ar",
+    "step_dflash": "engine step dflash",
+    "step_domino": "engine step domino",
+}
+
+
+def markdown_graphs(result: dict[str, Any]) -> list[str]:
+    """The graph-vs-eager table and the static engines' warm-up, when variants beyond eager ran."""
+    variants = result["config"]["variants"]
+    if variants == ["eager"]:
+        return []
+    ratio = "graph" in variants
+    lines = [
+        "### Graph vs eager (ms)",
+        "",
+        "eager: the dynamic path; static: static-shape buckets run eagerly; graph: the buckets replayed as "
+        "CUDA graphs (on the CPU: the same as static). Static-shape forwards attend over the engine's whole "
+        "cache capacity (see the warm-up table), whatever the context.",
+        "",
+        "| batch | context | part | " + " | ".join(variants) + (" | eager / graph |" if ratio else ""),
+        "|---|---|---|" + "---|" * (len(variants) + ratio),
+    ]
+    for r in result["rows"]:
+        for part, times in r["graph_vs_eager"].items():
+            if part.startswith("verify_"):
+                t = int(part.removeprefix("verify_"))
+                label = PART_LABELS["verify"].format(t, "ar" if t == 1 else "domino")
+            else:
+                label = PART_LABELS[part]
+            cells = " | ".join(f"{times[v]:.2f}" for v in variants)
+            extra = f" | {times['eager'] / times['graph']:.2f}x |" if ratio else " |"
+            lines.append(f"| {r['batch']} | {r['context']} | {label} | {cells}{extra}")
+    if ratio:
+        lines += [
+            "",
+            "Projection from graph engine steps (tau * graph ar step / graph step): "
+            + "; ".join(
+                f"batch {r['batch']} context {r['context']}: Domino "
+                f"{r['projection']['domino']['speedup_graph']:.2f}x, DFlash "
+                f"{r['projection']['dflash']['speedup_graph']:.2f}x"
+                for r in result["rows"]
+            )
+            + ".",
+        ]
+    lines += [
+        "",
+        "### Static-shape warm-up (every bucket built, and on CUDA captured, at engine start)",
+        "",
+        "MiB: the warm-up report's (tensors alive after it); reserved: the allocator's growth over the "
+        "engine's build beyond its KV caches (graph pools included; 0 on the CPU).",
+        "",
+        "| batch | mode | variant | capacity | CUDA graphs | eager buckets | seconds | MiB | reserved MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in result["warmup"]:
+        lines.append(
+            f"| {w['batch']} | {w['mode']} | {w['variant']} | {w['capacity']} | {w['graphs']} | {w['eager']} | "
+            f"{w['seconds']:.2f} | {w['memory_mib']:.0f} | {w['pools_mib']:.0f} |"
+        )
+    return lines + [""]
 
 
 def parse_ints(text: str) -> list[int]:
@@ -465,6 +600,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(DEFAULT_TOKENS),
         help="new tokens per row for the target forwards (1, B and B + 1 are always added)",
     )
+    p.add_argument(
+        "--variants",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        default=list(VARIANTS),
+        help=f"engine variants to time, of {','.join(VARIANTS)} (eager always runs: the tables above use it)",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
@@ -476,18 +617,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     if not args.contexts or not args.batch_sizes or min(args.contexts) < 1 or min(args.batch_sizes) < 1:
         p.error("--contexts and --batch-sizes need positive values")
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+    args.variants = [v for v in VARIANTS if v == "eager" or v in args.variants]
     return args
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.device == "auto":
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def device_and_dtype(device_arg: str, dtype_arg: str) -> tuple[torch.device, torch.dtype]:
+    """--device / --dtype: auto is CUDA when present, and bf16 there, fp32 on the CPU."""
+    if device_arg == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
-        device = torch.device(args.device)
+        device = torch.device(device_arg)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    dtype = dtypes.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtypes.get(dtype_arg) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every measurement; `on_batch` gets the results so far after each batch size (partial runs
+    still report when a later batch size fails or runs out of time)."""
+    device, dtype = device_and_dtype(args.device, args.dtype)
     if device.type == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -502,42 +658,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
 
     rows: list[dict[str, Any]] = []
+    warmups: list[dict[str, Any]] = []
+
+    def result(complete: bool) -> dict[str, Any]:
+        env = {
+            "device": str(device),
+            "device_name": device_name(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(),
+            "build_seconds": build_s,
+            "target_params": sum(p.numel() for p in target.hf_model.parameters()),
+            "drafter_params": count_parameters(drafter),
+        }
+        if device.type == "cuda":
+            env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        config["tokens"] = tokens
+        return {
+            "complete": complete,
+            "config": config,
+            "environment": env,
+            "shapes": shapes,
+            "published": PUBLISHED,
+            "definitions": DEFINITIONS,
+            "rows": rows,
+            "warmup": warmups,
+        }
+
     with torch.inference_mode():
         for batch in args.batch_sizes:
             bare = measure_forwards(target, drafter, batch, args.contexts, tokens, args, device)
-            engine = {}
-            for m in MODES:
-                engine[m] = measure_engine(target, drafter, m, batch, args.contexts, args, device)
-                free_memory(device)  # each engine brings its own full-size caches
+            engines: dict[str, dict[str, dict[int, dict[str, Any]]]] = {v: {} for v in args.variants}
+            for variant in args.variants:
+                for m in MODES:
+                    engines[variant][m], info = measure_engine(
+                        target, drafter, m, batch, args.contexts, args, device, variant
+                    )
+                    if info["warmup"] is not None:
+                        warmups.append(
+                            {"batch": batch, "mode": m, "variant": variant, "capacity": info["capacity"]}
+                            | info["warmup"]
+                        )
+                    free_memory(device)  # each engine brings its own full-size caches (and graphs)
             for ctx in args.contexts:
-                row = {"batch": batch, "context": ctx, **bare[ctx], "engine": {m: engine[m][ctx] for m in MODES}}
+                row = {"batch": batch, "context": ctx, **bare[ctx]}
+                row["engine"] = {m: engines["eager"][m][ctx] for m in MODES}
                 row["engine_overhead_ms"] = {m: engine_overhead(row, m) for m in MODES}
                 row["projection"] = project(row, b, args.tau, args.tau_dflash)
+                row["graph_vs_eager"] = graph_vs_eager({v: {m: engines[v][m][ctx] for m in MODES} for v in engines})
+                if "graph" in engines:
+                    steps = row["graph_vs_eager"]
+                    for name in ("domino", "dflash"):
+                        proj = row["projection"][name]
+                        proj["speedup_graph"] = proj["tau"] * steps["step_ar"]["graph"] / steps[f"step_{name}"]["graph"]
                 rows.append(row)
+            if on_batch is not None:
+                on_batch(result(complete=False))
 
-    env = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "build_seconds": build_s,
-        "target_params": sum(p.numel() for p in target.hf_model.parameters()),
-        "drafter_params": count_parameters(drafter),
-    }
-    if device.type == "cuda":
-        env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    config["tokens"] = tokens
-    return {
-        "config": config,
-        "environment": env,
-        "shapes": shapes,
-        "published": PUBLISHED,
-        "definitions": DEFINITIONS,
-        "rows": rows,
-    }
+    return result(complete=True)
 
 
 def json_ready(obj: Any) -> Any:
@@ -551,17 +731,22 @@ def json_ready(obj: Any) -> Any:
     return obj
 
 
+def write_reports(result: dict[str, Any], report: str, json_path: Path | None, md_path: Path | None) -> None:
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(json_ready(result), indent=2) + "\n")
+    if md_path is not None:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(report)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    result = run(args)
+    # After each batch size the reports so far are written ("complete": false until the end).
+    result = run(args, lambda partial: write_reports(partial, markdown(partial), args.json, args.markdown))
     report = markdown(result)
     print(report)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(json_ready(result), indent=2) + "\n")
-    if args.markdown is not None:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(report)
+    write_reports(result, report, args.json, args.markdown)
     return result
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_costs import MODES, build_drafter, main, scaled_shapes
+from bench.gpu_costs import MODES, VARIANTS, build_drafter, main, markdown, parse_args, run, scaled_shapes
 
 
 def test_full_size_shapes_are_the_published_ones() -> None:
@@ -38,14 +38,17 @@ def test_scaled_shapes_keep_head_dim() -> None:
 
 
 def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
+    """Every table, the graph-vs-eager one included (on the CPU its graph engine runs the static
+    buckets eagerly: the same code path up to the capture)."""
     out_json, out_md = tmp_path / "costs.json", tmp_path / "costs.md"
     main(
         [
-            "--scale", "16", "--device", "cpu", "--contexts", "48", "--batch-sizes", "2",
+            "--scale", "16", "--layers-scale", "4", "--device", "cpu", "--contexts", "48", "--batch-sizes", "2",
             "--repeats", "1", "--warmup", "1", "--json", str(out_json), "--markdown", str(out_md),
         ]
     )  # fmt: skip
     result = json.loads(out_json.read_text())
+    assert result["complete"]
     assert result["environment"]["dtype"] == "float32" and result["environment"]["device"] == "cpu"
     (row,) = result["rows"]
     assert (row["batch"], row["context"]) == (2, 48)
@@ -66,6 +69,43 @@ def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
     assert math.isfinite(row["projection"]["domino"]["head_overhead"])
     md = out_md.read_text()
     assert "### Projection" in md and "| published |" in md and "| 2 | 48 |" in md
+
+    # Graph vs eager: every part under every variant, the eager column the engine table's own step.
+    assert result["config"]["variants"] == list(VARIANTS)
+    parts = row["graph_vs_eager"]
+    assert set(parts) == {
+        "verify_1", "verify_17", "propose_dflash", "propose_domino", "step_ar", "step_dflash", "step_domino",
+    }  # fmt: skip
+    for part, times in parts.items():
+        assert set(times) == set(VARIANTS) and all(0 < t < 60_000 for t in times.values()), (part, times)
+    assert all(parts[f"step_{m}"]["eager"] == row["engine"][m]["step_ms"] for m in MODES)
+    assert row["engine"]["domino"]["verify_ms"] == {"17": parts["verify_17"]["eager"]}
+    for name in ("domino", "dflash"):
+        assert math.isfinite(row["projection"][name]["speedup_graph"])
+    # One warm-up report per static engine; no CUDA graphs on the CPU, every bucket built eagerly.
+    warm = result["warmup"]
+    assert {(w["variant"], w["mode"]) for w in warm} == {(v, m) for v in ("static", "graph") for m in MODES}
+    for w in warm:
+        assert w["batch"] == 2 and w["graphs"] == 0 and w["memory_mib"] == w["pools_mib"] == 0
+        # Buckets 1 and 2 rows; T = 1 only for ar, T in {1, 17} and a proposal per batch otherwise.
+        assert w["eager"] == (2 if w["mode"] == "ar" else 6), w
+    assert "### Graph vs eager" in md and "| 2 | 48 | engine step domino |" in md and "### Static-shape warm-up" in md
+
+
+def test_variants_eager_only_skips_the_static_engines() -> None:
+    """--variants eager: no static engines; the results so far are handed out after each batch size."""
+    args = parse_args(
+        [
+            "--scale", "32", "--layers-scale", "9", "--device", "cpu", "--contexts", "16", "--batch-sizes", "1,2",
+            "--tokens", "1", "--repeats", "1", "--warmup", "0", "--variants", "eager",
+        ]
+    )  # fmt: skip
+    seen: list[tuple[bool, list[int]]] = []
+    result = run(args, lambda partial: seen.append((partial["complete"], [r["batch"] for r in partial["rows"]])))
+    assert seen == [(False, [1]), (False, [1, 2])] and result["complete"]
+    assert result["warmup"] == [] and set(result["rows"][0]["graph_vs_eager"]["step_domino"]) == {"eager"}
+    assert "speedup_graph" not in result["rows"][0]["projection"]["domino"]
+    assert "### Graph vs eager" not in markdown(result)
 
 
 def test_drafter_parameters_exclude_the_borrowed_target_embedding_and_head() -> None:

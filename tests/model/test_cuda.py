@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from model.engine import Engine, SamplingParams
+from model.requests import TokenLogprob
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from tests.model.test_engine import _prompts
@@ -158,13 +159,20 @@ class OnDevice:
 
 
 def check_sampling(
-    device: str, dtype: torch.dtype, temperature: float, top_p: float, top_k: int, n: int
+    device: str,
+    dtype: torch.dtype,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    n: int,
+    static_shapes: bool | None = None,
 ) -> tuple[float, float]:
     """tests/model/test_sampling's distribution test with the engine on `device` in `dtype`.
 
     The expected distribution comes from the same model in the same dtype on the same device
     (a plain HF forward), i.e. the distribution the target itself defines there.
-    Returns (p-value, acceptance rate).
+    static_shapes: the engine's (None: its default, on for CUDA); when on, every bucket must be a
+    captured graph and the verify graphs must have run. Returns (p-value, acceptance rate).
     """
     vocab, depth = 8, 3
     model = tiny_target(vocab=vocab, seed=3).to(device, dtype)
@@ -172,7 +180,13 @@ def check_sampling(
     # Every draft verified, as in tests/model/test_sampling.py (the adaptive policy's draft count depends
     # on the sampled drafts' own probabilities, which biases sampling rows; see the issue report).
     engine = Engine(
-        TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16, draft_policy="fixed"
+        TargetModel(model),
+        drafter,
+        mode="domino",
+        max_batch_size=128,
+        max_model_len=16,
+        draft_policy="fixed",
+        static_shapes=static_shapes,
     )
     prompt = [1, 2, 3]
     params = [
@@ -183,6 +197,9 @@ def check_sampling(
     for tokens, _, _ in results:
         key = tuple(tokens[:depth])
         counts[key] = counts.get(key, 0) + 1
+    if engine.static is not None and device != "cpu":
+        assert_all_graphs(engine)
+        assert replayed_verify_buckets(engine), "no verify ran through a CUDA graph"
     drafted = sum(r[1].draft_tokens for r in results)
     accepted = sum(r[1].accepted_tokens for r in results)
     assert 0.03 < accepted / drafted < 0.97, (accepted, drafted)
@@ -198,11 +215,20 @@ def check_sampling(
 
 @pytest.mark.slow
 def test_speculative_sampling_bf16() -> None:
-    """bf16, temperature only. n is kept at 10k: the engine's multi-token verify and HF's forward
-    round differently in bf16, a bias a much larger sample starts to resolve (seen on a CPU in bf16
-    at 20k: p = 0.01). The wrong-temperature check shows the test still has power at this size."""
-    pvalue, rate = check_sampling("cuda", torch.bfloat16, 1.0, 1.0, 0, n=10_000)
-    print(f"bf16 T=1 on CUDA: p-value {pvalue:.3g}, acceptance {rate:.3f}")
+    """bf16, temperature only, the dynamic path. n is kept at 10k: the engine's multi-token verify
+    and HF's forward round differently in bf16, a bias a much larger sample starts to resolve (seen
+    on a CPU in bf16 at 20k: p = 0.01). The wrong-temperature check shows the test still has power
+    at this size."""
+    pvalue, rate = check_sampling("cuda", torch.bfloat16, 1.0, 1.0, 0, n=10_000, static_shapes=False)
+    print(f"bf16 T=1 on CUDA, dynamic path: p-value {pvalue:.3g}, acceptance {rate:.3f}")
+
+
+@pytest.mark.slow
+def test_speculative_sampling_bf16_through_cuda_graphs() -> None:
+    """The same test with every verify replayed from a captured CUDA graph (batches padded to
+    buckets of up to 128 rows; sampling rows' proposals run the dynamic drafter path)."""
+    pvalue, rate = check_sampling("cuda", torch.bfloat16, 1.0, 1.0, 0, n=10_000, static_shapes=True)
+    print(f"bf16 T=1 on CUDA, CUDA graphs: p-value {pvalue:.3g}, acceptance {rate:.3f}")
 
 
 @pytest.mark.slow
@@ -213,6 +239,184 @@ def test_speculative_sampling_truncated_fp32(temperature: float, top_p: float, t
     CPU bf16 run sampled a sequence outside HF's bf16 top-3), which no exact test can allow for."""
     pvalue, rate = check_sampling("cuda", torch.float32, temperature, top_p, top_k, n=20_000)
     print(f"fp32 T={temperature} top_p={top_p} top_k={top_k} on CUDA: p-value {pvalue:.3g}, acceptance {rate:.3f}")
+
+
+# -- static shapes and CUDA graphs -------------------------------------------------------------
+
+GRAPH_MODES = ("ar", "ngram", "dflash", "domino")
+
+
+def assert_all_graphs(engine: Engine) -> None:
+    """Every static-shape bucket was captured: none fell back to eager (model/static.py logs why)."""
+    assert engine.static is not None and engine.static.use_graphs
+    report = engine.static.report
+    assert report is not None and report.graphs > 0 and report.eager == 0, report
+
+
+def replayed_verify_buckets(engine: Engine) -> set[int]:
+    """Batch buckets whose verify ran as a CUDA graph at least once."""
+    assert engine.static is not None
+    return {rb for (rb, _), f in engine.static.verify.items() if f.calls and f.graph is not None}
+
+
+def cuda_engine(model: Any, mode: str, batch: int, graphs: bool, dtype: torch.dtype = torch.bfloat16) -> Engine:
+    """An engine on the dynamic path (graphs False) or with every bucket a CUDA graph; a fresh
+    drafter each (an engine sets the drafter's head flag for its mode)."""
+    drafter = tiny_drafter(domino=True).to("cuda", dtype) if mode in ("dflash", "domino") else None
+    engine = Engine(
+        TargetModel(model),
+        drafter,
+        mode=mode,
+        max_batch_size=batch,
+        max_model_len=96,
+        draft_policy="fixed",
+        static_shapes=graphs,
+        cuda_graphs=graphs,
+    )
+    if graphs:
+        assert_all_graphs(engine)
+    else:
+        assert engine.static is None
+    return engine
+
+
+Run = tuple[list[list[int]], list[list[TokenLogprob]], list[int]]
+
+
+def run_requests(engine: Engine, prompts: list[list[int]], budgets: list[int], join_every: int = 0) -> Run:
+    """Greedy requests with top-2 logprobs: all queued at once (join_every 0), or one joining every
+    `join_every` steps. Returns tokens and logprobs per request and the batch size of every decode step."""
+    ids = [str(i) for i in range(len(prompts))]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    lps: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
+    pending = list(range(len(prompts)))
+    sizes: list[int] = []
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and (join_every == 0 or steps % join_every == 0):
+            joining = pending if join_every == 0 else pending[:1]
+            for i in joining:
+                engine.add_request(ids[i], prompts[i], SamplingParams(max_new_tokens=budgets[i], logprobs=2))
+            pending = pending[len(joining) :]
+        if engine.num_running and not (engine.num_waiting and engine.num_running < engine.max_batch_size):
+            sizes.append(engine.num_running)  # this step decodes (a prefill comes first when there is room)
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            tokens[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.logprobs or []
+        steps += 1
+    return [tokens[rid] for rid in ids], [lps[rid] for rid in ids], sizes
+
+
+def logprob_error(ref32: Any, prompt: list[int], toks: list[int], lps: list[TokenLogprob]) -> float:
+    """Largest gap between the engine's reported top-2 logprobs and fp32's along its own output."""
+    lp32 = next_token_logprobs(ref32, prompt, toks)
+    return max((abs(val - float(lp32[i, tok])) for i, tl in enumerate(lps) for tok, val in tl.top), default=0.0)
+
+
+def judge_graph_against_eager(ref32: Any, prompts: list[list[int]], eager: Run, graph: Run) -> dict[str, Any]:
+    """Both runs greedy under fp32 within their rounding; the graph run equal to the eager one token
+    for token, or parted from it at a near-tie only; most requests exactly equal."""
+    err = max(
+        logprob_error(ref32, p, toks, lp) for run in (eager, graph) for p, toks, lp in zip(prompts, run[0], run[1])
+    )
+    tol = 2 * err  # each path within err of fp32 => a flip needs an fp32 gap <= 2 * err
+    exact, ties = 0, []
+    for i, (p, e_toks, g_toks) in enumerate(zip(prompts, eager[0], graph[0])):
+        assert len(g_toks) == len(e_toks), (i, e_toks, g_toks)
+        assert judge_greedy(next_token_logprobs(ref32, p, e_toks), e_toks, e_toks, tol) is None
+        tie = judge_greedy(next_token_logprobs(ref32, p, g_toks), g_toks, e_toks, tol)
+        if tie is None:
+            exact += 1
+        else:
+            ties.append((i, *tie))
+    assert exact * 2 >= len(prompts), f"only {exact}/{len(prompts)} exact; ties {ties}, tol {tol:.3g}"
+    return {"exact": exact, "total": len(prompts), "ties": ties, "tol": tol}
+
+
+@pytest.fixture(scope="module")
+def bf16_qwen3() -> tuple[Any, Any]:
+    """A tiny random Qwen3 in bf16 on CUDA, and the same rounded weights in fp32 (the judge)."""
+    model = tiny_target("qwen3").to("cuda", torch.bfloat16)
+    return model, copy.deepcopy(model).float()
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_cuda_graphs_match_eager_bf16(bf16_qwen3: tuple[Any, Any], mode: str) -> None:
+    """8 requests through batch 3 (padded to bucket 4, rows leaving and joining as others finish):
+    CUDA-graph replays against the dynamic path."""
+    model, ref32 = bf16_qwen3
+    prompts = _prompts(8)
+    budgets = [20, 7, 13, 25, 4, 16, 11, 22]
+    eager = run_requests(cuda_engine(model, mode, 3, graphs=False), prompts, budgets)
+    engine = cuda_engine(model, mode, 3, graphs=True)
+    graph = run_requests(engine, prompts, budgets)
+    summary = judge_graph_against_eager(ref32, prompts, eager, graph)
+    assert engine.static is not None and replayed_verify_buckets(engine)
+    if mode in ("dflash", "domino"):
+        assert any(f.calls for f in engine.static.propose.values()), "the greedy proposal never replayed"
+    print(f"{mode}: graphs vs eager {summary}, warm-up {engine.static.report}")
+
+
+@pytest.mark.parametrize("mode", ["ar", "domino"])
+def test_cuda_graphs_rows_join_and_leave_across_buckets(bf16_qwen3: tuple[Any, Any], mode: str) -> None:
+    """One request joins every other step into batch 4: decode batches grow 1 -> 2 -> 3 -> 4 and
+    shrink again, replaying the graphs of buckets 1, 2 and 4 in turn."""
+    model, ref32 = bf16_qwen3
+    prompts = _prompts(8)
+    budgets = [20, 7, 13, 25, 4, 16, 11, 22]
+    eager = run_requests(cuda_engine(model, mode, 4, graphs=False), prompts, budgets, join_every=2)
+    engine = cuda_engine(model, mode, 4, graphs=True)
+    graph = run_requests(engine, prompts, budgets, join_every=2)
+    judge_graph_against_eager(ref32, prompts, eager, graph)
+    assert {1, 2, 4} <= set(graph[2]), graph[2]
+    assert replayed_verify_buckets(engine) == {1, 2, 4}
+    if mode == "domino":
+        assert engine.static is not None
+        assert {rb for rb, f in engine.static.propose.items() if f.calls} == {1, 2, 4}
+
+
+@pytest.mark.parametrize("mode", ["ar", "domino"])
+def test_cuda_graphs_batch_shrinks_mid_decode(bf16_qwen3: tuple[Any, Any], mode: str) -> None:
+    """Four rows start together and finish one by one (budgets 4, 20, 40, 60) while the others keep
+    decoding: the batch drops from bucket 4 (4 and 3 rows) to 2 to 1, each finished row's slot
+    refilled by a move of the last row, and no one's output changes."""
+    model, ref32 = bf16_qwen3
+    prompts = _prompts(4)
+    budgets = [60, 4, 20, 40]
+    eager = run_requests(cuda_engine(model, mode, 4, graphs=False), prompts, budgets)
+    engine = cuda_engine(model, mode, 4, graphs=True)
+    graph = run_requests(engine, prompts, budgets)
+    judge_graph_against_eager(ref32, prompts, eager, graph)
+    sizes = graph[2]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 4 and {4, 2, 1} <= set(sizes), sizes
+    assert [len(t) for t in graph[0]] == budgets
+    assert replayed_verify_buckets(engine) == {1, 2, 4}
+    if mode == "domino":
+        assert engine.static is not None
+        assert {rb for rb, f in engine.static.propose.items() if f.calls} == {1, 2, 4}
+
+
+def test_capture_failure_falls_back_to_eager() -> None:
+    """A function that reads a device value back cannot be captured: StaticFunction must run it
+    eagerly instead and leave the process as before (the default stream current again, and later
+    captures still working)."""
+    from model.static import StaticFunction
+
+    x = torch.arange(4, device="cuda", dtype=torch.float32)
+
+    def syncing(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (t * float(t.sum()),)  # float(): a host read, which a capture cannot contain
+
+    failed = StaticFunction("syncing", syncing, (x,), graph=True)
+    assert failed.graph is None
+    assert torch.cuda.current_stream() == torch.cuda.default_stream(), "the capture stream is still current"
+    (out,) = failed(x + 1)  # eagerly on the new input: [1, 2, 3, 4] * 10
+    assert out.tolist() == [10.0, 20.0, 30.0, 40.0]
+    doubled = StaticFunction("double", lambda t: (t * 2,), (x,), graph=True)
+    assert doubled.graph is not None
+    (out,) = doubled(x + 1)
+    assert torch.equal(out, (x + 1) * 2)
 
 
 # -- the cost benchmark ------------------------------------------------------------------------
@@ -235,3 +439,30 @@ def test_gpu_costs_runs_on_cuda(tmp_path: Path) -> None:
     assert all(t > 0 for t in row["target_ms"].values())
     assert all(row["engine"][m]["step_ms"] > 0 for m in BENCH_MODES)
     assert row["projection"]["domino"]["speedup"] > 0
+    # The graph engines captured every bucket; the static ones built them eagerly.
+    for w in result["warmup"]:
+        if w["variant"] == "graph":
+            assert w["graphs"] > 0 and w["eager"] == 0, w
+        else:
+            assert w["graphs"] == 0 and w["eager"] > 0, w
+    assert all(t > 0 for times in row["graph_vs_eager"].values() for t in times.values())
+
+
+def test_gpu_e2e_runs_on_cuda(tmp_path: Path) -> None:
+    """The oracle run in bf16: the planted target stays greedy-exact through the graphs, and the
+    acceptance lengths are exactly the scheduled ones."""
+    from bench.gpu_e2e import main
+
+    out = tmp_path / "e2e.json"
+    main(
+        [
+            "--scale", "16", "--layers-scale", "4", "--device", "cuda", "--batch-sizes", "1,2",
+            "--prompt-len", "16", "--max-new-tokens", "40", "--json", str(out),
+        ]
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["environment"]["planted"]["greedy_is_successor"] == 1.0
+    for r in result["records"]:
+        assert r["successor_match"] == 1.0 and r["tau"] == pytest.approx(r["tau_expected"]), r
+        if r["variant"] == "graph":
+            assert r["warmup"]["graphs"] > 0 and r["warmup"]["eager"] == 0, r

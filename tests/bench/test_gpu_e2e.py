@@ -1,0 +1,84 @@
+"""bench.gpu_e2e: the acceptance schedule, the planted target, and a short CPU run at 1/16 width."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.gpu_costs import build_target, scaled_shapes
+from bench.gpu_e2e import (
+    accepted_at,
+    check_planted,
+    expected_acceptance,
+    main,
+    plant_successor,
+    successor_chain,
+)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.5, 4.0, 7.17, 17.0])
+def test_schedule_mean_is_tau(tau: float) -> None:
+    steps = 1000
+    right = [accepted_at(tau, s) for s in range(steps)]
+    assert all(0 <= a <= 16 for a in right)
+    assert abs(sum(right) / steps - (tau - 1)) < 1e-2
+    assert set(right) <= {int(tau - 1), int(tau - 1) + 1}  # as even as possible
+
+
+def test_expected_acceptance_cuts_the_last_steps_to_the_budget() -> None:
+    # 40 tokens: 1 from the prefill, nine steps of 3 drafts + bonus, then 2 drafts left (+ bonus).
+    assert expected_acceptance(4.0, 40, 16) == [4] * 9 + [3]
+    assert expected_acceptance(1.0, 5, 16) == [1, 1, 1, 1]
+    assert expected_acceptance(7.17, 40, 16) == [7, 7, 7, 7, 7, 4]
+    assert expected_acceptance(17.0, 40, 16) == [17, 17, 5]  # a full block of 16 drafts + bonus
+    assert expected_acceptance(4.0, 10, 0) == [1] * 9  # ar: no drafts
+
+
+def test_planted_target_is_greedy_successor() -> None:
+    target = build_target(scaled_shapes(16, 9), torch.float32, torch.device("cpu"))
+    succ = plant_successor(target, seed=3, embed_rms=32.0)
+    assert sorted(succ.tolist()) == list(range(target.vocab_size))  # a permutation
+    check = check_planted(target, succ, seed=4)
+    assert check["greedy_is_successor"] == 1.0 and check["min_margin"] > 1.0, check
+    chain = successor_chain(succ, 3)
+    v = 17
+    assert chain[v].tolist() == [int(succ[v]), int(succ[succ[v]]), int(succ[succ[succ[v]]])]
+
+
+def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
+    """Eager and graph engines (on the CPU: static buckets run eagerly) at tau 1, 4 and 7.17: every
+    row decodes the target's greedy continuation with exactly the scheduled acceptance lengths."""
+    out_json, out_md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    max_new = 24
+    main(
+        [
+            "--scale", "16", "--layers-scale", "9", "--device", "cpu", "--batch-sizes", "2", "--prompt-len", "6",
+            "--max-new-tokens", str(max_new), "--json", str(out_json), "--markdown", str(out_md),
+        ]
+    )  # fmt: skip
+    result = json.loads(out_json.read_text())
+    assert result["complete"] and result["environment"]["planted"]["greedy_is_successor"] == 1.0
+    recs = result["records"]
+    keys = {(r["mode"], r["variant"], r["tau_target"]) for r in recs}
+    assert keys == {("ar", v, 1.0) for v in ("eager", "graph")} | {
+        ("domino", v, t) for v in ("eager", "graph") for t in (1.0, 4.0, 7.17)
+    }
+    for r in recs:
+        assert r["successor_match"] == 1.0, r
+        num_drafts = 0 if r["mode"] == "ar" else 16
+        assert r["acceptance_lengths_row0"] == expected_acceptance(r["tau_target"], max_new, num_drafts), r
+        assert r["tau"] == pytest.approx(r["tau_expected"])
+        assert r["decoded_tokens"] == 2 * (max_new - 1) and r["tokens_per_s"] > 0
+        assert r["baseline"] == "graph ar" and r["speedup"] > 0
+        if r["variant"] == "graph":
+            # On the CPU the graph engine builds every bucket eagerly: the static path did run.
+            assert r["warmup"]["graphs"] == 0 and r["warmup"]["eager"] == (2 if r["mode"] == "ar" else 6)
+        else:
+            assert r["warmup"] is None
+    graph_ar = next(r for r in recs if r["mode"] == "ar" and r["variant"] == "graph")
+    assert graph_ar["speedup"] == 1.0
+    md = out_md.read_text()
+    assert "| 2 | domino | 7.17 |" in md and "| 2 | ar | 1 |" in md and "Static-shape warm-up" in md
