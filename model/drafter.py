@@ -400,6 +400,7 @@ class Drafter(nn.Module):
         sampling: SamplingBatch,
         return_logits: bool = False,
         num_slots: int | None = None,
+        use_head: bool | None = None,
     ) -> DraftResult:
         """Choose the drafts of one block per row from block hidden states [R, B, H]; only the
         first `num_slots` draft slots (default: all) are computed.
@@ -414,7 +415,8 @@ class Drafter(nn.Module):
         if num_slots is not None:
             draft_hidden = draft_hidden[:, :num_slots]
         base = self.base_logits(draft_hidden)  # [R, D, V]
-        if not (self.use_head and cfg.has_head):
+        use_head = self.use_head if use_head is None else use_head
+        if not (use_head and cfg.has_head):
             ids, probs, dist, conf = pick_tokens(base, sampling)
             return DraftResult(self.to_full_vocab(ids), probs, dist, conf, base if return_logits else None)
 

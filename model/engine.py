@@ -40,7 +40,7 @@ from model.sampling import (
     verify_greedy,
     verify_sampling,
 )
-from model.static import StaticSteps, batch_buckets
+from model.static import StaticSteps, batch_buckets, verify_widths
 from model.target import TargetModel, TargetOutput
 
 MODES = ("domino", "dflash", "ngram", "ar")
@@ -163,13 +163,12 @@ class Engine:
     @torch.inference_mode()
     def _build_static_steps(self, cuda_graphs: bool) -> StaticSteps:
         """Verify per (batch, T) bucket and the greedy proposal per batch bucket, built (and on CUDA
-        captured) now: T is 1 for `ar`/paused steps, else the widest verify any row may need."""
-        width = self.max_drafts_per_step
+        captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
         steps = StaticSteps(
             self._static_verify,
             self._static_propose if self.drafter is not None else None,
             self.max_batch_size,
-            [1, width + 1] if width > 0 else [1],
+            verify_widths(self.max_drafts_per_step),
             self.device,
             cuda_graphs,
         )
@@ -177,7 +176,7 @@ class Engine:
         return steps
 
     def _static_verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True)
+        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True, taps=self.taps)
         return (out.logits,) if out.features is None else (out.logits, out.features)
 
     def _static_propose(self, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -193,20 +192,24 @@ class Engine:
             top_k=torch.zeros(r, dtype=torch.long, device=dev),
             host_all_greedy=True,
         )
-        draft = self.drafter.draft(hidden, anchors, greedy, num_slots=self.num_drafts)
+        draft = self.drafter.draft(hidden, anchors, greedy, num_slots=self.num_drafts, use_head=self.use_head)
         return draft.tokens, draft.token_probs, draft.confidence
 
     def _attach_drafter(self, max_drafts: int | None, capture_taps: list[int] | None) -> int:
         """Tap the target for the drafter (or for captured training features); the block size."""
+        # Taps and the head switch are this engine's own: the target and the drafter may be
+        # shared with other engines (benchmarks build one per mode over the same objects).
+        self.use_head = self.mode == "domino"
         if self.drafter is None:
             # Training data generation records the target's features without a drafter.
-            self.target.set_taps(capture_taps or [])
+            self.taps = list(capture_taps or [])
+            self.target.add_taps(self.taps)
             self.num_drafts = 0
             return 1
         cfg = self.drafter.config
-        self.target.set_taps(cfg.target_layer_ids)
+        self.taps = list(cfg.target_layer_ids)
+        self.target.add_taps(self.taps)
         self.drafter.bind_target(self.target.embed_tokens.weight, self.target.lm_head.weight)
-        self.drafter.use_head = self.mode == "domino"
         self.num_drafts = cfg.num_drafts if max_drafts is None else min(max_drafts, cfg.num_drafts)
         self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else 0
         return cfg.block_size
@@ -426,7 +429,9 @@ class Engine:
         for i, r in enumerate(new):
             tokens[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=self.device)
         self.cache.lengths[lo : lo + len(new)] = 0
-        out = self.target.forward(self.cache, lo, tokens, logits_at=lens - 1, want_features=self.want_features)
+        out = self.target.forward(
+            self.cache, lo, tokens, logits_at=lens - 1, want_features=self.want_features, taps=self.taps
+        )
         logits = out.logits[:, 0]
         sampling = self._sampling_batch(new, None)
         u = self._draw_uniforms(new, 1)[:, 0]
@@ -475,7 +480,7 @@ class Engine:
         )
         block[:, 0] = anchors
         hidden = self.drafter.forward_block(self.draft_cache, lo, block)
-        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots)
+        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
@@ -636,7 +641,7 @@ class Engine:
             out = self.static.run_verify(tokens)
             if out is not None:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
-        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features)
+        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
 
     def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply

@@ -5,8 +5,9 @@ On a GPU an eager verify forward costs ~10x its memory-bandwidth floor at batch 
 into launching hundreds of small kernels from Python, not into the kernels. Replaying a captured
 CUDA graph launches them all at once. A graph replays fixed shapes on fixed buffers, so here:
 
-- verify runs T in {1, W + 1} (W: the most drafts a row may verify) and batches padded to
-  1, 2, 4, 8, ... rows; padding tokens and padding rows are computed and never counted;
+- verify runs T in {1, 2, 3, 5, 9, ..., W + 1} (W: the most drafts a row may verify) and batches
+  padded to 1, 2, 4, 8, ... rows; padding tokens and padding rows are computed and never counted
+  (at batch 16 a forward over 17 tokens per row is no longer free, so short drafts get short T);
 - attention spans the cache's whole capacity (`static=True` forwards: no read of the row lengths
   back to the host, which a graph cannot contain); row lengths live in the caches' device tensors,
   which the graphs read at replay, so they are written in place and never copied in;
@@ -40,6 +41,16 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sizes
 
 
+def verify_widths(max_drafts: int) -> list[int]:
+    """Verify widths T = drafts + 1: 1 (no drafts), 2, 3, 5, 9, ... and the widest, W + 1."""
+    widths = {1, max_drafts + 1}
+    t = 2
+    while t <= max_drafts + 1:
+        widths.add(t)
+        t = 2 * t - 1  # 2, 3, 5, 9, 17: one more than a power of two drafts
+    return sorted(widths)
+
+
 def bucket_for(n: int, buckets: list[int]) -> int | None:
     """The smallest bucket holding n, or None when n is larger than all of them."""
     return next((b for b in buckets if b >= n), None)
@@ -69,15 +80,21 @@ class StaticFunction:
                 torch.cuda.synchronize()
 
     def _capture(self) -> None:
+        caller = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(caller)
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.outputs = self.fn(*self.inputs)
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs = self.fn(*self.inputs)
+        finally:
+            # A failed capture raises from inside torch.cuda.graph's exit, before it switches
+            # back from its capture stream: make the caller's stream current again either way.
+            torch.cuda.set_stream(caller)
         self.graph = graph
 
     def __call__(self, *inputs: torch.Tensor) -> Tensors:
@@ -95,7 +112,7 @@ class WarmupReport:
     graphs: int
     eager: int
     seconds: float
-    memory_bytes: int
+    memory_bytes: int  # growth of the allocator's reserved memory: the graphs' private pools too
 
 
 class StaticSteps:
@@ -132,7 +149,7 @@ class StaticSteps:
     def warm_up(self) -> WarmupReport:
         """Build (and on CUDA capture) every bucket now, at start-up, not under the first requests."""
         t0 = time.perf_counter()
-        mem0 = torch.cuda.memory_allocated(self.device) if self.use_graphs else 0
+        mem0 = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
         for rb in self.batch_sizes:
             for t in self.verify_widths:
                 tokens = torch.zeros(rb, t, dtype=torch.long, device=self.device)
@@ -144,7 +161,7 @@ class StaticSteps:
             torch.cuda.synchronize(self.device)
         functions = list(self.verify.values()) + list(self.propose.values())
         graphs = sum(f.graph is not None for f in functions)
-        mem = (torch.cuda.memory_allocated(self.device) - mem0) if self.use_graphs else 0
+        mem = (torch.cuda.memory_reserved(self.device) - mem0) if self.use_graphs else 0
         self.report = WarmupReport(graphs, len(functions) - graphs, time.perf_counter() - t0, mem)
         log.info(
             "static-shape steps ready: %d buckets (%d CUDA graphs, %d eager) in %.1f s, %.0f MiB",

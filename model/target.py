@@ -121,6 +121,13 @@ class TargetModel:
 
             self._hooks.append(layers[layer_id].register_forward_hook(hook))
 
+    def add_taps(self, tap_layer_ids: list[int]) -> None:
+        """Also capture these layers, keeping the others: engines sharing one target (benchmarks
+        build several) each ask `forward` for their own taps."""
+        wanted = sorted(set(self.tap_layer_ids) | set(tap_layer_ids))
+        if wanted != sorted(self.tap_layer_ids):
+            self.set_taps(wanted)
+
     def new_cache(self, max_slots: int, capacity: int) -> RaggedKVCache:
         return RaggedKVCache(
             self.num_layers, max_slots, capacity, self.kv_heads, self.head_dim, self.dtype, self.device
@@ -135,12 +142,14 @@ class TargetModel:
         logits_at: torch.Tensor | None = None,
         want_features: bool = True,
         static: bool = False,
+        taps: list[int] | None = None,
     ) -> TargetOutput:
         """Run tokens [R, T] for slots lo..lo+R-1, placed at each row's current cache length.
 
         Rows with fewer real tokens pad on the right; padded positions are written past the
         row's length and never counted. `logits_at` [R] picks one position per row for the LM
-        head (prefill); otherwise logits for all T positions are returned. `static` attends over
+        head (prefill); otherwise logits for all T positions are returned. `taps` picks the tapped
+        layers concatenated into the features (default: all of them). `static` attends over
         the cache's whole capacity: shapes depend only on [R, T] and nothing is read back to the
         host (model/static.py captures this in CUDA graphs).
         """
@@ -160,7 +169,8 @@ class TargetModel:
             hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]
         logits = self.lm_head(hidden)
         features = None
-        if want_features and self.tap_layer_ids:
-            features = torch.cat([self._captured[i] for i in self.tap_layer_ids], dim=-1)
+        taps = self.tap_layer_ids if taps is None else taps
+        if want_features and taps:
+            features = torch.cat([self._captured[i] for i in taps], dim=-1)
         self._captured.clear()
         return TargetOutput(logits=logits, features=features)

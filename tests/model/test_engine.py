@@ -319,3 +319,40 @@ def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int) -> No
         assert engine.draft_cache.lengths[:r].tolist() == engine.cache.lengths[:r].tolist()
     assert calls > fail_at + 1
     assert [tokens[str(i)] for i in range(3)] == refs
+
+
+def test_engines_sharing_a_target_and_drafter_keep_their_own_settings() -> None:
+    """Benchmarks build one engine per mode over the same target and drafter: a `dflash` engine
+    built later must not turn the `domino` engine's head off, nor an `ar` engine clear its taps."""
+    model = tiny_target()
+    prompts = _prompts(3)
+    params = SamplingParams(max_new_tokens=12)
+
+    def run(engine: Engine) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """Output tokens, and every block the drafter proposed (recorded around the real call)."""
+        assert engine.drafter is not None
+        drafter, real = engine.drafter, engine.drafter.draft
+        blocks: list[list[list[int]]] = []
+
+        def recording(*args, **kwargs):
+            result = real(*args, **kwargs)
+            blocks.append(result.tokens.tolist())
+            return result
+
+        drafter.draft = recording  # type: ignore[method-assign]
+        try:
+            tokens = [t for t, _, _ in engine.generate(prompts, params)]
+        finally:
+            del drafter.draft
+        return tokens, blocks
+
+    kw = dict(draft_policy="fixed", ngram=False)
+    alone = run(Engine(TargetModel(model), tiny_drafter(domino=True), mode="domino", **kw))
+    head_off = run(Engine(TargetModel(model), tiny_drafter(domino=True), mode="dflash", **kw))
+    assert alone[0] == head_off[0] and alone[1] != head_off[1]  # the head changes the drafts
+    target, drafter = TargetModel(model), tiny_drafter(domino=True)
+    domino = Engine(target, drafter, mode="domino", **kw)
+    dflash = Engine(target, drafter, mode="dflash", **kw)
+    Engine(target, None, mode="ar")  # no taps of its own
+    assert run(domino) == alone
+    assert run(dflash) == head_off

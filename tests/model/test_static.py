@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.engine import Engine, SamplingParams
-from model.static import batch_buckets, bucket_for
+from model.static import batch_buckets, bucket_for, verify_widths
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from tests.model.test_engine import OracleEngine, _hf_greedy, _prompts
@@ -44,6 +44,11 @@ def test_buckets() -> None:
     assert bucket_for(3, [1, 2, 4]) == 4
     assert bucket_for(5, [1, 2, 4]) is None
     assert bucket_for(1, [1, 9]) == 1 and bucket_for(2, [1, 9]) == 9
+    assert verify_widths(0) == [1]
+    assert verify_widths(4) == [1, 2, 3, 5]
+    assert verify_widths(8) == [1, 2, 3, 5, 9]
+    assert verify_widths(16) == [1, 2, 3, 5, 9, 17]
+    assert verify_widths(6) == [1, 2, 3, 5, 7]
 
 
 CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
