@@ -628,6 +628,19 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
+def environment(device: torch.device, dtype: torch.dtype, build_s: float) -> dict[str, Any]:
+    """What a result was measured on (both GPU benchmarks report it)."""
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "build_seconds": build_s,
+    }
+
+
 def device_and_dtype(device_arg: str, dtype_arg: str) -> tuple[torch.device, torch.dtype]:
     """--device / --dtype: auto is CUDA when present, and bf16 there, fp32 on the CPU."""
     if device_arg == "auto":
@@ -662,13 +675,7 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
 
     def result(complete: bool) -> dict[str, Any]:
         env = {
-            "device": str(device),
-            "device_name": device_name(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(),
-            "build_seconds": build_s,
+            **environment(device, dtype, build_s),
             "target_params": sum(p.numel() for p in target.hf_model.parameters()),
             "drafter_params": count_parameters(drafter),
         }

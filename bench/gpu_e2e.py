@@ -34,14 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from bench.gpu_costs import (
     VARIANTS,
     build_drafter,
     build_target,
     device_and_dtype,
-    device_name,
+    environment,
     free_memory,
     parse_ints,
     scaled_shapes,
@@ -264,16 +263,7 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
 
     def result(complete: bool) -> dict[str, Any]:
         add_ratios(records)
-        env = {
-            "device": str(device),
-            "device_name": device_name(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads": torch.get_num_threads(),
-            "build_seconds": build_s,
-            "planted": planted,
-        }
+        env = {**environment(device, dtype, build_s), "planted": planted}
         if device.type == "cuda":
             env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
