@@ -51,6 +51,7 @@ def evaluate(
             max_model_len=max(len(p) for p in prompts) + max_new_tokens,
             eos_token_ids=eos,
             draft_policy="fixed",  # τ of the drafter itself: every draft of every block is verified
+            static_shapes=False,  # one short run per mode: capturing graphs would not pay back
         )
         out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
         lengths = [x for _, stats, _ in out for x in stats.acceptance_lengths]

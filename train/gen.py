@@ -45,6 +45,9 @@ def gen(args: argparse.Namespace) -> None:
         max_batch_size=args.batch_size,
         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
         eos_token_ids=eos_token_ids(model, tokenizer),
+        # Batches of hundreds of rows of one-off lengths: graphs per batch bucket would cost more
+        # memory and start-up than the launches they save.
+        static_shapes=False,
     )
     total = min(len(prompts), args.limit or len(prompts))
     num_shards = math.ceil(total / args.shard_size)
