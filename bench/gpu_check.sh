@@ -14,6 +14,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+# On a lent machine with no package index: the pinned transformers stack from .whl/
+# (scripts/device_wheels.sh) shadows the image's older one.
+if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 OUT_DIR=${OUT_DIR:-bench/results}
 TAG=${TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($NF)}')}
 base="$OUT_DIR/gpu_check_${TAG:-gpu}"
