@@ -518,6 +518,7 @@ class SpecDecodeStats(_Response):
     """The request's speculative decoding statistics (summed over its choices)."""
 
     num_drafts: int  # verify steps
+    num_steps_with_drafts: int  # verify steps that verified at least one draft (the rest: plain decoding)
     num_draft_tokens: int
     num_accepted_tokens: int
     mean_acceptance_length: float | None  # (accepted + verify steps) / verify steps

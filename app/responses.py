@@ -41,6 +41,7 @@ DONE = "data: [DONE]\n\n"
 def spec_decode_field(stats: RequestStats) -> SpecDecodeStats:
     return SpecDecodeStats(
         num_drafts=stats.verify_steps,
+        num_steps_with_drafts=stats.steps_with_drafts,
         num_draft_tokens=stats.draft_tokens,
         num_accepted_tokens=stats.accepted_tokens,
         mean_acceptance_length=stats.mean_acceptance_length,

@@ -227,6 +227,7 @@ def summarize_level(concurrency: int, records: list[RequestRecord], skipped: int
     drafts = sum(int((r.spec_decode or {}).get("num_drafts") or 0) for r in ok)
     draft_tokens = sum(int((r.spec_decode or {}).get("num_draft_tokens") or 0) for r in ok)
     accepted = sum(int((r.spec_decode or {}).get("num_accepted_tokens") or 0) for r in ok)
+    with_drafts = sum(int((r.spec_decode or {}).get("num_steps_with_drafts") or 0) for r in ok)
     errors = [r for r in records if not r.ok]
     return {
         "concurrency": concurrency,
@@ -244,6 +245,9 @@ def summarize_level(concurrency: int, records: list[RequestRecord], skipped: int
         "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
         "mean_acceptance_length": (accepted + drafts) / drafts if drafts else None,
         "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        # Share of verify steps that verified drafts: τ near 1 with a low share means the policy
+        # kept speculation off, not that drafts failed.
+        "draft_step_share": with_drafts / drafts if drafts else None,
         "spec_decode": {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted},
         "per_request": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in records],
     }
@@ -385,14 +389,17 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
         f"max_tokens {result['config']['max_tokens']}, temperature {result['config']['temperature']}. "
         "Latencies in ms, p50 / p90 / p99.",
         "",
-        "| concurrency | ok / requests | errors | output tok/s | req/s | TTFT | ITL (per token) | e2e | τ mean |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| concurrency | ok / requests | errors | output tok/s | req/s | TTFT | ITL (per token) | e2e | τ mean "
+        "| steps verifying drafts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, lv in levels:
+        share = lv.get("draft_step_share")
         lines.append(
             f"| {c} | {lv['completed']} / {lv['requests']} | {lv['errors'] + lv['skipped']} | "
             f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} | {_qs(lv['ttft_s'])} | "
-            f"{_qs(lv['itl_s'])} | {_qs(lv['e2e_s'])} | {_num(lv['mean_acceptance_length'])} |"
+            f"{_qs(lv['itl_s'])} | {_qs(lv['e2e_s'])} | {_num(lv['mean_acceptance_length'])} | "
+            f"{'–' if share is None else f'{share:.0%}'} |"
         )
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

@@ -2,7 +2,9 @@
 # Speculation on vs DOMINO_MODE=ar, alternately (ABAB), embedded default, bf16 (auto), 1 thread each.
 set -u
 cd "$(dirname "$0")/.."
-# Results: bench/results/load_{domino,ar}_{1,2}.* and load_domino_vs_ar_{1,2}.* (docs/benchmarks.md).
+# Results: bench/results/load_{domino,ar}_{1,2}$TAG.* and load_domino_vs_ar_{1,2}$TAG.* (docs/benchmarks.md).
+TAG=${TAG:-}
+mkdir -p runs
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 for rep in 1 2; do
   for mode in domino ar; do
@@ -10,10 +12,10 @@ for rep in 1 2; do
     pid=$!
     for i in $(seq 240); do curl -sf http://127.0.0.1:8101/health >/dev/null && break; sleep 1; done
     .venv/bin/python -m bench.load --url http://127.0.0.1:8101 --concurrency 8,16 --requests 32 --max-tokens 64 \
-      --label $mode --json bench/results/load_${mode}_$rep.json > runs/load-$mode-$rep.log 2>&1
+      --label $mode --json bench/results/load_${mode}_$rep$TAG.json > runs/load-$mode-$rep.log 2>&1
     kill -TERM $pid; wait $pid
   done
-  .venv/bin/python -m bench.load --compare bench/results/load_domino_$rep.json,bench/results/load_ar_$rep.json \
-    --json bench/results/load_domino_vs_ar_$rep.json >> runs/load-compare.log 2>&1
+  .venv/bin/python -m bench.load --compare bench/results/load_domino_$rep$TAG.json,bench/results/load_ar_$rep$TAG.json \
+    --json bench/results/load_domino_vs_ar_$rep$TAG.json >> runs/load-compare.log 2>&1
 done
 echo done

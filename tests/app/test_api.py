@@ -64,8 +64,16 @@ def stream_post(client: httpx.Client, path: str, body: dict[str, Any]) -> list[A
 
 
 def check_spec(spec: dict[str, Any]) -> None:
-    assert set(spec) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length"}
+    assert set(spec) == {
+        "num_drafts",
+        "num_steps_with_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "mean_acceptance_length",
+    }
     assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert 0 <= spec["num_steps_with_drafts"] <= spec["num_drafts"]
+    assert (spec["num_steps_with_drafts"] > 0) == (spec["num_draft_tokens"] > 0)
     if spec["num_drafts"]:
         want = (spec["num_accepted_tokens"] + spec["num_drafts"]) / spec["num_drafts"]
         assert math.isclose(spec["mean_acceptance_length"], want)

@@ -100,6 +100,7 @@ def test_load_run_and_compare(server: ServerProcess, tmp_path: Path) -> None:
         assert level["mean_acceptance_length"] is not None and level["mean_acceptance_length"] >= 1.0
         # Draft tokens verified (num_drafts counts verify steps, which `ar` mode has too).
         assert level["spec_decode"]["num_draft_tokens"] > 0
+        assert 0 < level["draft_step_share"] <= 1  # the server's fixed policy verifies drafts
 
     on_disk = json.loads(out.read_text())
     assert on_disk["levels"]["4"]["output_tokens"] == REQUESTS * MAX_TOKENS
