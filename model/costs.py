@@ -17,7 +17,12 @@ import torch
 # reading the weights (bf16 on a GPU, or on a CPU with native bf16) a forward over up to ~17 tokens
 # per row costs about one over a single token; fp32 GEMMs on a CPU slow down with every row
 # (bench.verify_cost; the fp32 curve is a 135M target on a 2-core CPU at context 300).
+# A curve is keyed by the tokens in one forward (batch x T): at batch 1 that is T; a same-batch
+# estimate scales by it too, since a forward's cost follows its total tokens. The CPU bf16 curve
+# is bench.verify_cost on a 2-core AVX512-BF16 CPU: flat to ~9 tokens, then GEMM-bound (batch 8:
+# T = 2 costs 1.67x T = 1, bench/results/verify_cost_batch8.md).
 CPU_FP32_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
+CPU_BF16_VERIFY_CURVE = {1: 1.0, 2: 1.07, 4: 1.08, 9: 1.28, 16: 2.3, 24: 2.8, 40: 3.05}
 BANDWIDTH_BOUND_VERIFY_CURVE = {1: 1.0, 2: 1.02, 4: 1.05, 9: 1.12, 17: 1.3, 33: 1.9}
 PRIOR_VERIFY_CURVE = CPU_FP32_VERIFY_CURVE
 PRIOR_DRAFT_FRACTION = 0.15  # drafter step cost relative to a T = 1 verify
@@ -27,9 +32,9 @@ VerifyCurve = dict[int, float]
 
 def prior_curve_for(device: torch.device | str, dtype: torch.dtype) -> VerifyCurve:
     """The prior verify-cost curve of a target on `device` in `dtype`."""
-    if str(device).startswith("cuda") or dtype in (torch.bfloat16, torch.float16):
+    if str(device).startswith("cuda"):
         return BANDWIDTH_BOUND_VERIFY_CURVE
-    return CPU_FP32_VERIFY_CURVE
+    return CPU_BF16_VERIFY_CURVE if dtype in (torch.bfloat16, torch.float16) else CPU_FP32_VERIFY_CURVE
 
 
 def prior_verify(tokens: int, curve: VerifyCurve = PRIOR_VERIFY_CURVE) -> float:
@@ -96,7 +101,7 @@ class StepCosts:
             trusted = [(t, s) for t, s in trusted if self.verify_n[(batch, t)] >= TRUSTED_SAMPLES]
             if trusted:
                 t, s = max(trusted, key=lambda ts: self.verify_n[(batch, ts[0])])
-                estimate = min(estimate, s * prior_verify(tokens, self.prior) / prior_verify(t, self.prior))
+                estimate = min(estimate, s * self._prior_ratio(batch, tokens, t))
         return min([estimate, *longer])
 
     def _verify_estimate(self, batch: int, tokens: int) -> float:
@@ -105,12 +110,16 @@ class StepCosts:
         same_batch = [(t, s) for (b, t), s in self.verify_s.items() if b == batch]
         if same_batch:
             t, s = min(same_batch, key=lambda ts: abs(ts[0] - tokens))
-            return s * prior_verify(tokens, self.prior) / prior_verify(t, self.prior)
+            return s * self._prior_ratio(batch, tokens, t)
         if self.verify_s:
             # Another batch size: assume cost grows with the total tokens in the forward.
             (b, t), s = min(self.verify_s.items(), key=lambda kv: abs(kv[0][0] - batch))
             return s * prior_verify(batch * tokens, self.prior) / prior_verify(b * t, self.prior)
         return prior_verify(batch * tokens, self.prior)
+
+    def _prior_ratio(self, batch: int, tokens: int, measured: int) -> float:
+        """Prior cost of T = tokens over T = measured at one batch size (by tokens per forward)."""
+        return prior_verify(batch * tokens, self.prior) / prior_verify(batch * measured, self.prior)
 
     def draft(self, batch: int) -> float:
         if batch in self.draft_s:

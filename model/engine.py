@@ -491,16 +491,18 @@ class Engine:
         # and always draft (and draw uniforms for) the full block.
         any_seeded = any(row.params.seed is not None and row.params.temperature > 0 for row in rows)
         full = any_seeded or not self.policy.adaptive
-        d = self.policy.slots_to_draft(full)
-        width = max(d, self.ngram_max_drafts if self.ngram else 0)
+        greedy_rows = [row.params.temperature <= 0 for row in rows]
+        probe = self.policy.plain_probe(len(rows), greedy_rows)
+        d = 0 if probe else self.policy.slots_to_draft(full)
+        ngram_width = self.ngram_max_drafts if self.ngram and not probe else 0
+        width = max(d, ngram_width)
         uniforms = self._draw_uniforms(rows, 2 * width + 1)  # draft slots, acceptance tests, final token
         sampling = self._sampling_batch(rows, uniforms[:, :d])
         anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=self.device)
         budgets = [max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows]
-        greedy_rows = [row.params.temperature <= 0 for row in rows]
 
         t0 = time.perf_counter()
-        proposals = self._propose_all(lo, rows, anchors, sampling, budgets, d, any_seeded)
+        proposals = self._propose_all(lo, rows, anchors, sampling, budgets, d, ngram_width, any_seeded)
         t1 = time.perf_counter()
         confidence = proposals.draft.confidence[:, :d] if proposals.draft is not None else None
         choice = self.policy.choose(proposals.plans, confidence, proposals.span, budgets, greedy_rows, full)
@@ -532,10 +534,11 @@ class Engine:
         sampling: SamplingBatch,
         budgets: list[int],
         d: int,
+        ngram_width: int,
         any_seeded: bool,
     ) -> _Proposals:
         """Each row's n-gram copy, and the drafter's block for the rows the policy lets it draft."""
-        plans = self.policy.ngram_plans(rows, budgets, self.ngram_max_drafts if self.ngram else 0)
+        plans = self.policy.ngram_plans(rows, budgets, ngram_width)
         span = self.policy.drafter_rows(len(rows), d, any_seeded, plans) if self.drafter is not None else None
         if span is None:
             return _Proposals(plans, None, (0, 0))

@@ -32,6 +32,7 @@ from model.costs import (
     NGRAM_PRIOR,
     PRIOR_DRAFT_FRACTION,
     PRIOR_VERIFY_CURVE,
+    TRUSTED_SAMPLES,
     AcceptanceCalibration,
     NgramAcceptance,
     StepCosts,
@@ -102,11 +103,26 @@ class DraftPolicy:
         self.no_gain_streak = 0
         self.pause_len = PAUSE_MIN  # doubles while probes keep finding that drafting does not pay
         self.draft_width = num_drafts  # slots drafted per step under the adaptive policy
+        self.plain_probes: dict[int, int] = {}  # plain steps taken per batch size to measure them
 
     def on_admit(self) -> None:
         """New requests joined: their text may suit the drafter better, so probe again soon."""
         self.pause_len = PAUSE_MIN
         self.skip_steps = min(self.skip_steps, PAUSE_MIN)
+
+    def plain_probe(self, batch: int, greedy_rows: list[bool]) -> bool:
+        """Decode this step without drafts, to measure a plain step at this batch size. Every width
+        is judged against it, and a cost never measured is a prior's guess that drafting may never
+        correct (it keeps drafting, so never measures the plain step). Greedy batches only: their
+        output does not depend on it."""
+        if not (self.adaptive and all(greedy_rows)):
+            return False
+        if self.costs.verify_n.get((batch, 1), 0) >= TRUSTED_SAMPLES:
+            return False
+        if self.plain_probes.get(batch, 0) >= TRUSTED_SAMPLES:
+            return False
+        self.plain_probes[batch] = self.plain_probes.get(batch, 0) + 1
+        return True
 
     def slots_to_draft(self, full: bool) -> int:
         """Drafter slots to run this step (`full`: every slot, e.g. under a seeded row)."""

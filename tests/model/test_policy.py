@@ -8,7 +8,7 @@ from model.costs import AcceptanceCalibration, StepCosts
 from model.engine import SamplingParams
 from model.policy import best_shared_drafts
 from tests.helpers import tiny_target
-from tests.model.test_engine import _hf_greedy, _oracle, _prompts
+from tests.model.test_engine import _engine, _hf_greedy, _oracle, _prompts
 
 
 class PriorCosts(StepCosts):
@@ -111,21 +111,62 @@ def test_adaptive_engine_stops_paying_for_confidently_wrong_drafts() -> None:
     assert [t for t, _, _ in results] == refs
     lengths = [x for _, s, _ in results for x in s.acceptance_lengths]
     assert sum(lengths) / len(lengths) > 3.0, lengths
-    # Drafting pays here, so it never pauses: the drafter runs on every decode step of the batch.
-    assert right.draft_forwards == max(s.verify_steps for _, s, _ in results)
+    # Drafting pays here, so it never pauses: the drafter runs on every decode step of the batch
+    # but the few plain ones that measured a plain step at this batch size.
+    probes = sum(right.policy.plain_probes.values())
+    assert 0 < probes <= 3 * len(right.policy.plain_probes)
+    assert right.draft_forwards == max(s.verify_steps for _, s, _ in results) - probes
 
 
 def test_prior_curve_follows_where_the_target_runs() -> None:
     # Sampling rows decide by the prior alone: with a bandwidth-bound target (bf16, GPUs) a verify
     # over a whole block costs about one plain step, so a confident drafter drafts further.
-    from model.costs import BANDWIDTH_BOUND_VERIFY_CURVE, CPU_FP32_VERIFY_CURVE, prior_curve_for
+    from model.costs import (
+        BANDWIDTH_BOUND_VERIFY_CURVE,
+        CPU_BF16_VERIFY_CURVE,
+        CPU_FP32_VERIFY_CURVE,
+        prior_curve_for,
+    )
     from model.policy import stopping_drafts
 
     assert prior_curve_for("cpu", torch.float32) is CPU_FP32_VERIFY_CURVE
-    assert prior_curve_for("cpu", torch.bfloat16) is BANDWIDTH_BOUND_VERIFY_CURVE
+    assert prior_curve_for("cpu", torch.bfloat16) is CPU_BF16_VERIFY_CURVE
     assert prior_curve_for("cuda:0", torch.float32) is BANDWIDTH_BOUND_VERIFY_CURVE
     confidence = torch.full((1, 8), 0.6)
     budget = torch.tensor([8])
     on_cpu_fp32 = int(stopping_drafts(confidence, budget, curve=CPU_FP32_VERIFY_CURVE)[0])
     bandwidth_bound = int(stopping_drafts(confidence, budget, curve=BANDWIDTH_BOUND_VERIFY_CURVE)[0])
     assert bandwidth_bound > on_cpu_fp32 >= 1
+
+
+def test_same_batch_estimates_scale_by_tokens_per_forward() -> None:
+    """At batch 8 on a CPU in bf16 a forward over 16 tokens costs ~1.7x one over 8 (GEMM-bound),
+    where at batch 1 two tokens cost ~1.07x one: an unmeasured plain step is estimated from the
+    tokens in the forward, not from T alone (which made every width look as cheap as T = 1)."""
+    from model.costs import CPU_BF16_VERIFY_CURVE
+
+    costs = StepCosts(prior=CPU_BF16_VERIFY_CURVE)
+    for _ in range(3):
+        costs.observe_verify(8, 2, 0.140)
+        costs.observe_verify(1, 2, 0.065)
+    assert costs.verify(8, 1) < 0.140 / 1.5  # 16 -> 8 tokens per forward
+    assert costs.verify(1, 1) > 0.065 / 1.1  # 2 -> 1 token: about the same
+
+
+def test_adaptive_policy_measures_a_plain_step_at_each_batch_size() -> None:
+    """While drafting pays the policy never decodes plainly, so without probes the plain step's
+    cost at a batch size stays the prior's guess: a few greedy steps per batch size go plain."""
+    model = tiny_target()
+    prompts = _prompts(3)
+    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, [30, 12, 20])]
+    engine = _oracle(model, {f"gen-{i}": r for i, r in enumerate(refs)}, draft_policy="adaptive")
+    results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in (30, 12, 20)])
+    assert [t for t, _, _ in results] == refs
+    sizes = engine.policy.plain_probes
+    assert set(sizes) <= {1, 2, 3} and 3 in sizes
+    for batch in sizes:
+        assert engine.policy.costs.verify_n.get((batch, 1), 0) >= min(3, sizes[batch])
+    # Sampling rows are never probed: their draft counts must not depend on the batch.
+    sampling = _engine(model, "domino", 1, draft_policy="adaptive")
+    sampling.generate([prompts[0]], SamplingParams(max_new_tokens=12, temperature=0.8, seed=3))
+    assert sampling.policy.plain_probes == {}
