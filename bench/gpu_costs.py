@@ -747,14 +747,22 @@ def write_reports(result: dict[str, Any], report: str, json_path: Path | None, m
         md_path.write_text(report)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    # After each batch size the reports so far are written ("complete": false until the end).
-    result = run(args, lambda partial: write_reports(partial, markdown(partial), args.json, args.markdown))
-    report = markdown(result)
+def run_and_report(
+    args: argparse.Namespace,
+    run_fn: Callable[[argparse.Namespace, Callable[[dict[str, Any]], None]], dict[str, Any]],
+    markdown_fn: Callable[[dict[str, Any]], str],
+) -> dict[str, Any]:
+    """Run a GPU benchmark, writing its reports after each batch size ("complete": false until
+    the end) and once more, printed, at the end (both GPU benchmarks)."""
+    result = run_fn(args, lambda partial: write_reports(partial, markdown_fn(partial), args.json, args.markdown))
+    report = markdown_fn(result)
     print(report)
     write_reports(result, report, args.json, args.markdown)
     return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_and_report(parse_args(argv), run, markdown)
 
 
 if __name__ == "__main__":

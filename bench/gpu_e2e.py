@@ -43,9 +43,9 @@ from bench.gpu_costs import (
     environment,
     free_memory,
     parse_ints,
+    run_and_report,
     scaled_shapes,
     synchronize,
-    write_reports,
 )
 from model.drafter import Drafter, DraftResult
 from model.engine import Engine, SamplingParams, _Row
@@ -405,13 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    # After each batch size the reports so far are written ("complete": false until the end).
-    result = run(args, lambda partial: write_reports(partial, markdown(partial), args.json, args.markdown))
-    report = markdown(result)
-    print(report)
-    write_reports(result, report, args.json, args.markdown)
-    return result
+    return run_and_report(parse_args(argv), run, markdown)
 
 
 if __name__ == "__main__":

@@ -181,19 +181,27 @@ class Engine:
 
     def _static_propose(self, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Greedy drafts of a full block for slots 0..Rb-1 (backbone + head loop, fixed shapes)."""
-        assert self.drafter is not None and self.draft_cache is not None
         r, dev = anchors.shape[0], anchors.device
-        block = torch.full((r, self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = anchors
-        hidden = self.drafter.forward_block(self.draft_cache, 0, block, static=True)
         greedy = SamplingBatch(
             temperature=torch.zeros(r, device=dev),
             top_p=torch.ones(r, device=dev),
             top_k=torch.zeros(r, dtype=torch.long, device=dev),
             host_all_greedy=True,
         )
-        draft = self.drafter.draft(hidden, anchors, greedy, num_slots=self.num_drafts, use_head=self.use_head)
+        draft = self._draft_block(0, anchors, greedy, self.num_drafts, static=True)
         return draft.tokens, draft.token_probs, draft.confidence
+
+    def _draft_block(
+        self, lo: int, anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int, static: bool = False
+    ) -> DraftResult:
+        """The drafter over `[anchor, MASK, ...]` blocks for slots lo.., then its draft choice."""
+        assert self.drafter is not None and self.draft_cache is not None
+        block = torch.full(
+            (anchors.shape[0], self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
+        )
+        block[:, 0] = anchors
+        hidden = self.drafter.forward_block(self.draft_cache, lo, block, static=static)
+        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
 
     def _attach_drafter(self, max_drafts: int | None, capture_taps: list[int] | None) -> int:
         """Tap the target for the drafter (or for captured training features); the block size."""
@@ -470,17 +478,11 @@ class Engine:
     ) -> DraftResult:
         """Draft the first `num_slots` slots of one block per row (slots lo..). Subclasses may
         propose differently (tests' oracle)."""
-        assert self.drafter is not None and self.draft_cache is not None
         if self.static is not None and lo == 0 and sampling.all_greedy and num_slots == self.num_drafts:
             drafted = self.static.run_propose(anchors)
             if drafted is not None:
                 return DraftResult(drafted[0], drafted[1], None, drafted[2])
-        block = torch.full(
-            (len(rows), self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
-        )
-        block[:, 0] = anchors
-        hidden = self.drafter.forward_block(self.draft_cache, lo, block)
-        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
+        return self._draft_block(lo, anchors, sampling, num_slots)
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
