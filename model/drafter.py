@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import can_pack, packed_gqa_attention
 from model.sampling import SamplingBatch, pick_tokens
 
 
@@ -154,9 +155,12 @@ class DraftAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k_block, v_block = self.keys_values(x, cos, sin)
         keys, values = combine(layer_idx, k_block, v_block)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        if can_pack(self.num_heads, self.num_kv_heads, mask):
+            out = packed_gqa_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            )
         return self.o_proj(out.transpose(1, 2).reshape(r, t, -1))
 
 

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from model.attention import use_packed_attention
+
 
 class RaggedKVCache(Cache):
     """Per-slot KV buffers [slots, kv_heads, capacity, head_dim] for every target layer."""
@@ -89,6 +91,7 @@ class TargetModel:
 
     def __init__(self, hf_model: nn.Module, tap_layer_ids: list[int] | None = None) -> None:
         self.hf_model = hf_model.eval()
+        use_packed_attention(hf_model)  # grouped heads without copying the cache (model/attention.py)
         self.config = hf_model.config
         self.decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else hf_model.model
         self.lm_head = hf_model.get_output_embeddings()

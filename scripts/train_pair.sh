@@ -2,11 +2,15 @@
 # Like-for-like Domino vs DFlash (models/README.md "same budget"): the same data, steps, seed and
 # recipe, with and without the Domino head, then both evaluated on the held-out test slice.
 # Resumable: features skips stored shards, fit continues from its run directory.
+# STAGE2_STEPS > 0 then trains both on from their stage-1 drafters, again with one recipe for both
+# (fresh warm-up and cosine, seed 1 for a new anchor order, λ at 0 after 10 % for the trained head),
+# so the pair stays like for like at twice the budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 SHARDS=${SHARDS:-0,1}
 STEPS=${STEPS:-8000}            # x 32 blocks per step
+STAGE2_STEPS=${STAGE2_STEPS:-0}
 OUT=${OUT:-runs/pair}
 DATA=data/smollm2-135m-instruct
 TAPS=4,15,28
@@ -16,7 +20,19 @@ $PY -m train features --data $DATA --taps $TAPS --shards "$SHARDS" --threads 1
 common=(--data $DATA --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-size 8 --gru-size 256 --rank 64
         --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --threads 1 --save-every 500
         --steps "$STEPS" --eval-every 2000 --seed 0)
-$PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" > "$OUT/domino.log" 2>&1
-$PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" > "$OUT/dflash.log" 2>&1
-$PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1
-$PY -m train eval --drafter "$OUT/dflash" --modes dflash --slice test --json "$OUT/dflash/eval.json" > "$OUT/eval-dflash.log" 2>&1
+# A stage whose eval.json exists is done and skipped.
+if [ ! -f "$OUT/dflash/eval.json" ]; then
+  $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" > "$OUT/domino.log" 2>&1
+  $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" > "$OUT/dflash.log" 2>&1
+  $PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1
+  $PY -m train eval --drafter "$OUT/dflash" --modes dflash --slice test --json "$OUT/dflash/eval.json" > "$OUT/eval-dflash.log" 2>&1
+fi
+
+if [ "$STAGE2_STEPS" -gt 0 ] && [ ! -f "$OUT/dflash2/eval.json" ]; then
+  stage2=(--data $DATA --stored-only --threads 1 --batch-seqs 1 --anchors 32 --lr 6e-4 --save-every 500
+          --steps "$STAGE2_STEPS" --eval-every 2000 --seed 1 --base-loss-until 0.1)
+  $PY -m train fit "${stage2[@]}" --init-from "$OUT/domino" --out "$OUT/domino2" --run-dir "$OUT/domino2-run" > "$OUT/domino2.log" 2>&1
+  $PY -m train fit "${stage2[@]}" --no-head --init-from "$OUT/dflash" --out "$OUT/dflash2" --run-dir "$OUT/dflash2-run" > "$OUT/dflash2.log" 2>&1
+  $PY -m train eval --drafter "$OUT/domino2" --modes domino,dflash --slice test --json "$OUT/domino2/eval.json" > "$OUT/eval-domino2.log" 2>&1
+  $PY -m train eval --drafter "$OUT/dflash2" --modes dflash --slice test --json "$OUT/dflash2/eval.json" > "$OUT/eval-dflash2.log" 2>&1
+fi

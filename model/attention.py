@@ -1,0 +1,76 @@
+"""Grouped-query attention that never copies the keys and values per query head.
+
+With grouped-query attention (SmolLM2: 9 query heads over 3 key/value heads) every key/value head
+serves `rep` query heads. For one query token Hugging Face's SDPA path folds those heads into the
+query length, but for T > 1 tokens (a verify step, a drafter block) it copies the keys and values
+`rep` times (`repeat_kv`), or asks SDPA for `enable_gqa` under a mask, which the CPU kernels run
+slowly. Folding the `rep × T` queries of a key/value head into one query axis does the same
+arithmetic with no copy: measured on this CPU (bf16, one thread, 8 rows × 300 cached tokens, per
+layer) it halves the attention of a T = 2..9 verify (1.2 → 0.55 ms at T = 2).
+
+`packed_gqa_attention` is the kernel call; `ATTENTION_NAME` registers it with transformers so the
+target's decoder layers use it (anything it cannot fold falls back to transformers' own SDPA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION_NAME = "domino_sdpa"
+
+
+def can_pack(num_heads: int, num_kv_heads: int, mask: torch.Tensor | None) -> bool:
+    """Folding needs grouped heads and a mask shared by every head ([R, 1, T, K])."""
+    return num_heads > num_kv_heads and mask is not None and mask.dim() == 4 and mask.shape[1] == 1
+
+
+def packed_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """SDPA of q [R, H, T, D] over k, v [R, KV, K, D] with a head-shared mask [R, 1, T, K].
+
+    Query head h reads key/value head h // rep (transformers' `repeat_kv` order), so the heads of a
+    group are consecutive: [R, H, T, D] is [R, KV, rep·T, D] as it lies in memory, and the mask
+    repeats once per head of the group. Returns [R, H, T, D]."""
+    r, h, t, d = q.shape
+    kv = k.shape[1]
+    rep = h // kv
+    folded = q.reshape(r, kv, rep * t, d)
+    folded_mask = mask.expand(r, rep, t, mask.shape[-1]).reshape(r, 1, rep * t, mask.shape[-1])
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=folded_mask, scale=scale)
+    return out.view(r, h, t, d)
+
+
+def _domino_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; output [R, T, H, D] like its SDPA."""
+    q_len = query.shape[2]
+    if q_len > 1 and dropout == 0.0 and can_pack(query.shape[1], key.shape[1], attention_mask):
+        assert attention_mask is not None
+        out = packed_gqa_attention(query, key, value, attention_mask[..., : key.shape[2]], scaling)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, _domino_sdpa)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_packed_attention(hf_model: torch.nn.Module) -> None:
+    """Switch a model loaded with SDPA attention to the folded version (other kernels are kept)."""
+    if getattr(hf_model.config, "_attn_implementation", None) == "sdpa":
+        hf_model.set_attn_implementation(ATTENTION_NAME)
