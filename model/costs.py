@@ -19,10 +19,11 @@ import torch
 # (bench.verify_cost; the fp32 curve is a 135M target on a 2-core CPU at context 300).
 # A curve is keyed by the tokens in one forward (batch x T): at batch 1 that is T; a same-batch
 # estimate scales by it too, since a forward's cost follows its total tokens. The CPU bf16 curve
-# is bench.verify_cost on a 2-core AVX512-BF16 CPU: flat to ~9 tokens, then GEMM-bound (batch 8:
-# T = 2 costs 1.67x T = 1, bench/results/verify_cost_batch8.md).
+# is bench.verify_cost on a 2-core AVX512-BF16 CPU with the folded grouped-query attention
+# (model/attention.py), fitted to batches 1, 4 and 8 (bench/results/verify_cost_batch*_round6.md):
+# batch 8 at T = 2 costs 1.14x T = 1 (1.67x before the attention stopped copying the cache).
 CPU_FP32_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
-CPU_BF16_VERIFY_CURVE = {1: 1.0, 2: 1.07, 4: 1.08, 9: 1.28, 16: 2.3, 24: 2.8, 40: 3.05}
+CPU_BF16_VERIFY_CURVE = {1: 1.0, 2: 1.01, 4: 1.07, 8: 1.2, 16: 1.38, 24: 1.56, 40: 1.97, 72: 2.85}
 BANDWIDTH_BOUND_VERIFY_CURVE = {1: 1.0, 2: 1.02, 4: 1.05, 9: 1.12, 17: 1.3, 33: 1.9}
 PRIOR_VERIFY_CURVE = CPU_FP32_VERIFY_CURVE
 PRIOR_DRAFT_FRACTION = 0.15  # drafter step cost relative to a T = 1 verify
