@@ -35,6 +35,7 @@ from model.requests import (
 )
 from model.sampling import (
     SamplingBatch,
+    greedy_ids,
     processed_probs,
     sample_with_uniform,
     verify_greedy,
@@ -93,6 +94,26 @@ def _check_engine_args(mode: str, drafter: Drafter | None, draft_policy: str) ->
         raise ValueError(f"draft_policy must be 'adaptive' or 'fixed', got {draft_policy!r}")
 
 
+def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
+    """Split prompts sorted by length into consecutive groups [a, b), one forward each, so that
+    padded tokens plus `split_tokens` per forward (what one more forward costs, in prompt tokens)
+    is least. A group pads to its longest (last) prompt. Exact by dynamic programming: n is at
+    most the batch size."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for b in range(1, n + 1):
+        for a in range(b):
+            cost = best[a] + split_tokens + (b - a) * lengths[b - 1]
+            if cost < best[b]:
+                best[b], cut[b] = cost, a
+    groups, b = [], n
+    while b > 0:
+        groups.append((cut[b], b))
+        b = cut[b]
+    return groups[::-1]
+
+
 class Engine:
     def __init__(
         self,
@@ -112,6 +133,7 @@ class Engine:
         ngram_max_drafts: int = 8,
         static_shapes: bool | None = None,
         cuda_graphs: bool = True,
+        prefill_split_tokens: int | None = None,
     ) -> None:
         _check_engine_args(mode, drafter, draft_policy)
         self.target = target
@@ -128,6 +150,12 @@ class Engine:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.draft_forwards = 0  # steps that ran the drafter
         self.device = target.device
+        # What one more prefill forward costs, in padded prompt tokens: on a CPU a forward's fixed
+        # cost is ~30 prompt tokens' worth (bench.verify_cost: 51 ms for 1 token, +1.9 ms per
+        # token from 16 on); on a GPU launches dominate, so rows are split only for long padding.
+        self.prefill_split_tokens = (
+            prefill_split_tokens if prefill_split_tokens is not None else (512 if self.device.type == "cuda" else 32)
+        )
         block = self._attach_drafter(max_drafts, capture_taps)
         # adaptive: drafts per step from the drafter's confidence and measured step costs
         # (model/policy.py); fixed: every draft up to the first below draft_threshold.
@@ -390,7 +418,7 @@ class Engine:
 
     def _sample_target(self, logits: torch.Tensor, sampling: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
         """One token per row from target logits [R, V] (greedy rows: argmax)."""
-        ids = logits.argmax(-1)
+        ids = greedy_ids(logits)
         if sampling.all_greedy:
             return ids
         temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
@@ -427,20 +455,28 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, new: list[_Row]) -> list[RequestOutput]:
-        """Admit rows: one batched prompt forward, first token sampled from its last position."""
+        """Admit rows: prompt forwards (rows sorted by length, split where padding would cost more
+        than another forward), first token sampled from each prompt's last position."""
         self.policy.on_admit()
+        new = sorted(new, key=lambda r: len(r.prompt_ids))
         lo = len(self.rows)
         self.rows.extend(new)
         t0 = time.perf_counter()
-        lens = torch.tensor([len(r.prompt_ids) for r in new], device=self.device)
-        tokens = torch.zeros(len(new), int(lens.max()), dtype=torch.long, device=self.device)
-        for i, r in enumerate(new):
-            tokens[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=self.device)
-        self.cache.lengths[lo : lo + len(new)] = 0
-        out = self.target.forward(
-            self.cache, lo, tokens, logits_at=lens - 1, want_features=self.want_features, taps=self.taps
-        )
-        logits = out.logits[:, 0]
+        lengths = [len(r.prompt_ids) for r in new]
+        lens = torch.tensor(lengths, device=self.device)
+        groups = prefill_groups(lengths, self.prefill_split_tokens)
+        logits_parts, features = [], []
+        for a, b in groups:
+            tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=self.device)
+            for i in range(a, b):
+                tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids, device=self.device)
+            self.cache.lengths[lo + a : lo + b] = 0
+            out = self.target.forward(
+                self.cache, lo + a, tokens, logits_at=lens[a:b] - 1, want_features=self.want_features, taps=self.taps
+            )
+            logits_parts.append(out.logits[:, 0])
+            features.append(out.features)
+        logits = torch.cat(logits_parts)
         sampling = self._sampling_batch(new, None)
         u = self._draw_uniforms(new, 1)[:, 0]
         scores = process_logits([r.processor for r in new], logits[:, None], None)[:, 0]
@@ -452,23 +488,28 @@ class Engine:
         # All work is done: now advance the caches.
         self.cache.lengths[lo : lo + len(new)] = lens
         if self.drafter is not None:
-            assert self.draft_cache is not None and out.features is not None
-            self.draft_cache.lengths[lo : lo + len(new)] = 0
-            self.drafter.append_context(self.draft_cache, lo, out.features, lens)
+            assert self.draft_cache is not None
+            for (a, b), feats in zip(groups, features):
+                assert feats is not None
+                self.draft_cache.lengths[lo + a : lo + b] = 0
+                self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b])
         outputs, done = [], []
-        for i, (row, tok) in enumerate(zip(new, first)):
-            emitted, reason, stop_tok = self._commit(row, [tok])
-            if row.processor is not None:
-                row.processor.commit(emitted)
-            row.anchor = tok
-            outputs.append(
-                RequestOutput(row.request_id, emitted, reason is not None, reason, row.stats, logprobs[i], stop_tok)
-            )
-            if self.capture:
-                assert out.features is not None
-                outputs[-1].features = out.features[i, : len(row.prompt_ids)].to(torch.float16).cpu()
-            if reason is not None:
-                done.append(lo + i)
+        for g, (a, b) in enumerate(groups):
+            for i in range(a, b):
+                row, tok = new[i], first[i]
+                emitted, reason, stop_tok = self._commit(row, [tok])
+                if row.processor is not None:
+                    row.processor.commit(emitted)
+                row.anchor = tok
+                outputs.append(
+                    RequestOutput(row.request_id, emitted, reason is not None, reason, row.stats, logprobs[i], stop_tok)
+                )
+                if self.capture:
+                    feats = features[g]
+                    assert feats is not None
+                    outputs[-1].features = feats[i - a, : lengths[i]].to(torch.float16).cpu()
+                if reason is not None:
+                    done.append(lo + i)
         self.last_timing = StepTiming("prefill", len(new), 0.0, time.perf_counter() - t0)
         self._remove_rows(done)
         return outputs

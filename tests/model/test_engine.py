@@ -356,3 +356,59 @@ def test_engines_sharing_a_target_and_drafter_keep_their_own_settings() -> None:
     Engine(target, None, mode="ar")  # no taps of its own
     assert run(domino) == alone
     assert run(dflash) == head_off
+
+
+def test_prefill_groups_split_where_padding_costs_more_than_a_forward() -> None:
+    from model.engine import prefill_groups
+
+    # Two short prompts and two long ones: padding the short ones to 310 would waste ~600 tokens.
+    assert prefill_groups([10, 12, 300, 310], 32) == [(0, 2), (2, 4)]
+    # Similar lengths share one forward; so does everything when a forward is dear (a GPU).
+    assert prefill_groups([100, 101, 103, 104], 32) == [(0, 4)]
+    assert prefill_groups([10, 12, 300, 310], 10_000) == [(0, 4)]
+    assert prefill_groups([7], 32) == [(0, 1)]
+    # Never worse than one forward per row or one for all, and the groups cover every row in order.
+    lengths = sorted([3, 40, 41, 90, 95, 200, 201, 202, 500])
+    groups = prefill_groups(lengths, 32)
+    assert [a for a, _ in groups][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(b0 == a1 for (_, b0), (a1, _) in zip(groups, groups[1:]))
+
+    def cost(gs: list[tuple[int, int]]) -> int:
+        return sum(32 + (b - a) * lengths[b - 1] for a, b in gs)
+
+    assert cost(groups) <= min(cost([(0, len(lengths))]), cost([(i, i + 1) for i in range(len(lengths))]))
+
+
+def test_prefill_of_very_different_prompt_lengths_matches_each_alone() -> None:
+    """Rows admitted together are split into several prompt forwards; each row's greedy output is
+    still the target's alone, and the drafter's context follows each group."""
+    model = tiny_target()
+    prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
+    refs = [_hf_greedy(model, p, 12) for p in prompts]
+    for mode in ("ar", "domino"):
+        engine = _engine(model, mode, 4)
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+        assert [t for t, _, _ in results] == refs, mode
+
+
+def test_split_prefill_fills_both_caches_as_one_forward_does() -> None:
+    model = tiny_target()
+    drafter = tiny_drafter(domino=True)
+    prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
+    engines = []
+    for split in (32, 10**6):
+        engine = Engine(TargetModel(model), drafter, mode="domino", max_batch_size=4, max_model_len=96)
+        engine.prefill_split_tokens = split
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=4))
+        engine.step()  # the prefill
+        engines.append(engine)
+    split, whole = engines
+    assert [r.request_id for r in split.rows] == [r.request_id for r in whole.rows]
+    assert split.cache.lengths.tolist() == whole.cache.lengths.tolist()
+    assert split.draft_cache.lengths.tolist() == whole.draft_cache.lengths.tolist()
+    for i, n in enumerate(whole.cache.lengths.tolist()):
+        for a, b in zip(split.cache.keys, whole.cache.keys):
+            torch.testing.assert_close(a[i, :, :n], b[i, :, :n], atol=1e-5, rtol=1e-5)
+        for a, b in zip(split.draft_cache.keys, whole.draft_cache.keys):
+            torch.testing.assert_close(a[i, :, :n], b[i, :, :n], atol=1e-5, rtol=1e-5)

@@ -227,3 +227,20 @@ def test_adaptive_pause_and_narrowing_on_unseeded_sampling_rows() -> None:
     expected = _exact_joint(model, prompt, depth, 1.0, 0, 1.0)
     assert _chi_square(counts, expected, n) > ALPHA
     assert_power(counts, expected, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_ids_take_the_first_of_tied_maxima(dtype: torch.dtype) -> None:
+    """Greedy verification must pick what argmax (and HF generate) picks, ties included."""
+    from model.sampling import greedy_ids
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3, 49152, generator=g).to(dtype)
+    # Plant tied maxima at several places in each row, the first one at a different index.
+    for r in range(4):
+        for t in range(3):
+            first = 1000 * (r + 1) + 7 * t
+            logits[r, t, [first, first + 5, 40000 + t, 49151]] = 8.0
+    ids = greedy_ids(logits)
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    assert ids[:, 0].tolist() == [1000 * (r + 1) for r in range(4)]
