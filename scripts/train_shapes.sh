@@ -14,7 +14,16 @@ mkdir -p "$OUT"
 common=(--data $DATA --stored-only --taps 4,15,28 --no-qk-norm --gru-size 256 --rank 64 --draft-vocab 8192
         --batch-seqs 1 --anchors 32 --lr 6e-4 --threads 1 --save-every 500 --steps 1000000
         --time-budget-s "$BUDGET_S" --eval-every 1000 --seed 0)
+# SHAPES: which to run (names from the list below); PARALLEL=1 runs them at once, one core each.
+SHAPES=${SHAPES:-b8-l1,b4-l1,b8-l2}
+PARALLEL=${PARALLEL:-0}
 for shape in "b8-l1 --block-size 8 --layers 1" "b4-l1 --block-size 4 --layers 1" "b8-l2 --block-size 8 --layers 2"; do
   set -- $shape
-  $PY -m train fit "${common[@]}" "${@:2}" --out "$OUT/$1" --run-dir "$OUT/$1-run" > "$OUT/$1.log" 2>&1
+  [[ ",$SHAPES," == *",$1,"* ]] || continue
+  if [ "$PARALLEL" = 1 ]; then
+    $PY -m train fit "${common[@]}" "${@:2}" --out "$OUT/$1" --run-dir "$OUT/$1-run" > "$OUT/$1.log" 2>&1 &
+  else
+    $PY -m train fit "${common[@]}" "${@:2}" --out "$OUT/$1" --run-dir "$OUT/$1-run" > "$OUT/$1.log" 2>&1
+  fi
 done
+wait
