@@ -20,10 +20,7 @@ PARALLEL=${PARALLEL:-0}
 for shape in "b8-l1 --block-size 8 --layers 1" "b4-l1 --block-size 4 --layers 1" "b8-l2 --block-size 8 --layers 2"; do
   set -- $shape
   [[ ",$SHAPES," == *",$1,"* ]] || continue
-  if [ "$PARALLEL" = 1 ]; then
-    $PY -m train fit "${common[@]}" "${@:2}" --out "$OUT/$1" --run-dir "$OUT/$1-run" > "$OUT/$1.log" 2>&1 &
-  else
-    $PY -m train fit "${common[@]}" "${@:2}" --out "$OUT/$1" --run-dir "$OUT/$1-run" > "$OUT/$1.log" 2>&1
-  fi
+  $PY -m train fit "${common[@]}" "${@:2}" --out "$OUT/$1" --run-dir "$OUT/$1-run" > "$OUT/$1.log" 2>&1 &
+  [ "$PARALLEL" = 1 ] || wait $!
 done
 wait

@@ -393,12 +393,10 @@ def test_prefill_of_very_different_prompt_lengths_matches_each_alone() -> None:
 
 def test_split_prefill_fills_both_caches_as_one_forward_does() -> None:
     model = tiny_target()
-    drafter = tiny_drafter(domino=True)
     prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
     engines = []
     for split in (32, 10**6):
-        engine = Engine(TargetModel(model), drafter, mode="domino", max_batch_size=4, max_model_len=96)
-        engine.prefill_split_tokens = split
+        engine = _engine(model, "domino", 4, prefill_split_tokens=split)  # the same seeded drafter
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=4))
         engine.step()  # the prefill
