@@ -47,6 +47,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         "ngram": settings.ngram,
         "static_shapes": None if settings.static_shapes == "auto" else settings.static_shapes == "on",
         "cuda_graphs": settings.cuda_graphs,
+        "packed_verify": None if settings.packed_verify == "auto" else settings.packed_verify == "on",
     }
     if settings.block_size is not None:
         kwargs["max_drafts"] = settings.block_size

@@ -191,8 +191,13 @@ class DraftLayer(nn.Module):
         combine: KVCombine,
         layer_idx: int,
         mask: torch.Tensor,
+        num_outputs: int | None = None,
     ) -> torch.Tensor:
+        """`num_outputs` keeps only the first positions after attention (every position's keys
+        and values are still computed): the MLP is per position, so it runs only where needed."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, combine, layer_idx, mask)
+        if num_outputs is not None:
+            x = x[:, :num_outputs]
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -349,12 +354,19 @@ class Drafter(nn.Module):
         return self.embed(block_tokens)
 
     def run_layers(
-        self, x: torch.Tensor, positions: torch.Tensor, combine: KVCombine, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        combine: KVCombine,
+        mask: torch.Tensor,
+        num_outputs: int | None = None,
     ) -> torch.Tensor:
+        """Hidden states [R, T, H] (the first `num_outputs` positions only, when given)."""
         cfg = self.config
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, combine, i, mask)
+            x = layer(x, cos, sin, combine, i, mask, num_outputs if i == last else None)
         return self.norm(x)
 
     # -- inference ----------------------------------------------------------------------------
@@ -370,11 +382,18 @@ class Drafter(nn.Module):
         cache.lengths[lo : lo + r] += counts
 
     def forward_block(
-        self, cache: DraftContextCache, lo: int, block_tokens: torch.Tensor, static: bool = False
+        self,
+        cache: DraftContextCache,
+        lo: int,
+        block_tokens: torch.Tensor,
+        static: bool = False,
+        num_outputs: int | None = None,
     ) -> torch.Tensor:
         """Run blocks [R, B] for slots lo..lo+R-1, each placed right after its row's context.
 
-        Returns final-normed hidden states [R, B, H]. Attention is non-causal over
+        Returns final-normed hidden states [R, B, H] (or of the first `num_outputs` block
+        positions: the rest only feed attention, and a step that drafts fewer slots than the
+        block holds need not finish them). Attention is non-causal over
         [that row's context ; its block]. `static` attends over the whole capacity (fixed shapes,
         no read of the lengths back to the host: for CUDA graphs).
         """
@@ -391,7 +410,7 @@ class Drafter(nn.Module):
             cache.write(layer, lo, start, k, v)
             return cache.keys[layer][lo : lo + r, :, :kv_len], cache.values[layer][lo : lo + r, :, :kv_len]
 
-        return self.run_layers(self.block_input(block_tokens), positions, combine, mask)
+        return self.run_layers(self.block_input(block_tokens), positions, combine, mask, num_outputs)
 
     def correction(self, hidden: torch.Tensor, gru_state: torch.Tensor) -> torch.Tensor:
         """Low-rank logit correction W2 · SiLU(W1 · [H ; h]); shared by training and inference."""

@@ -134,6 +134,7 @@ class Engine:
         static_shapes: bool | None = None,
         cuda_graphs: bool = True,
         prefill_split_tokens: int | None = None,
+        packed_verify: bool | None = None,
     ) -> None:
         _check_engine_args(mode, drafter, draft_policy)
         self.target = target
@@ -156,6 +157,10 @@ class Engine:
         self.prefill_split_tokens = (
             prefill_split_tokens if prefill_split_tokens is not None else (512 if self.device.type == "cuda" else 32)
         )
+        # Packed forwards (default on a CPU, where a forward's matmuls are bound by compute): each
+        # row verifies its own number of drafts and padding costs almost nothing, so the policy
+        # chooses a width per row. On a GPU a forward costs about the same for any width.
+        self.packed_verify = (self.device.type == "cpu" if packed_verify is None else packed_verify) and target.can_pack
         block = self._attach_drafter(max_drafts, capture_taps)
         # adaptive: drafts per step from the drafter's confidence and measured step costs
         # (model/policy.py); fixed: every draft up to the first below draft_threshold.
@@ -166,6 +171,7 @@ class Engine:
             ngram_max_n=ngram_max_n,
             ngram_max_drafts=self.ngram_max_drafts,
             prior=prior_curve_for(target.device, target.dtype),
+            per_row_widths=self.packed_verify,
         )
         self.capture = bool(capture_taps)
         self.want_features = self.drafter is not None or self.capture
@@ -228,7 +234,9 @@ class Engine:
             (anchors.shape[0], self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
         )
         block[:, 0] = anchors
-        hidden = self.drafter.forward_block(self.draft_cache, lo, block, static=static)
+        # Hidden states up to the last slot drafted (shift_label: output j drafts slot j).
+        needed = num_slots + (0 if self.drafter.config.shift_label else 1)
+        hidden = self.drafter.forward_block(self.draft_cache, lo, block, static=static, num_outputs=needed)
         return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
 
     def _attach_drafter(self, max_drafts: int | None, capture_taps: list[int] | None) -> int:
@@ -472,7 +480,13 @@ class Engine:
                 tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids, device=self.device)
             self.cache.lengths[lo + a : lo + b] = 0
             out = self.target.forward(
-                self.cache, lo + a, tokens, logits_at=lens[a:b] - 1, want_features=self.want_features, taps=self.taps
+                self.cache,
+                lo + a,
+                tokens,
+                logits_at=lens[a:b] - 1,
+                want_features=self.want_features,
+                taps=self.taps,
+                num_tokens=lens[a:b] if self.packed_verify else None,
             )
             logits_parts.append(out.logits[:, 0])
             features.append(out.features)
@@ -637,10 +651,11 @@ class Engine:
         dev = self.device
         tokens = torch.cat([anchors[:, None], drafts.tokens], dim=1)
         t_fwd = time.perf_counter()
-        out = self._target_verify(lo, tokens)
+        out = self._target_verify(lo, tokens, drafts.counts + 1 if self.packed_verify else None)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
-        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
+        total = sum(choice.counts) + r if self.packed_verify else None
+        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd, total)
         logits = out.logits  # [R, k + 1, V]
         scores = process_logits([row.processor for row in rows], logits, drafts.tokens)  # what the rows choose from
 
@@ -680,14 +695,17 @@ class Engine:
             accepted[s], bonus[s] = acc_s, bonus_s
         return out, accepted, bonus
 
-    def _target_verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
+    def _target_verify(self, lo: int, tokens: torch.Tensor, num_tokens: torch.Tensor | None = None) -> TargetOutput:
         """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
-        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path."""
+        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path
+        (packed to `num_tokens` real tokens per row when given)."""
         if self.static is not None and lo == 0:
             out = self.static.run_verify(tokens)
             if out is not None:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
-        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
+        return self.target.forward(
+            self.cache, lo, tokens, want_features=self.want_features, taps=self.taps, num_tokens=num_tokens
+        )
 
     def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply

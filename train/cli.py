@@ -112,7 +112,12 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--init-from", default=None, help="start from an existing drafter checkpoint")
     f.add_argument("--no-head", action="store_true", help="train the plain DFlash baseline (no Domino head)")
     f.add_argument("--layers", type=int, default=1)
-    f.add_argument("--block-size", type=int, default=8)
+    f.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="default 8; with --init-from, re-blocks that drafter (no weight depends on it)",
+    )
     f.add_argument("--taps", default=None, help="comma-separated target layer ids (default: docs/design.md rule)")
     f.add_argument("--gru-size", type=int, default=256)
     f.add_argument("--rank", type=int, default=64)

@@ -141,6 +141,9 @@ def build_drafter(
         return drafter
     if init is not None:
         drafter = init
+        if args.block_size and args.block_size != drafter.config.block_size:
+            log.info("re-blocking %s from %d to %d", args.init_from, drafter.config.block_size, args.block_size)
+            drafter.config.block_size = args.block_size
     else:
         vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))

@@ -29,7 +29,7 @@ def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_voc
         head_dim=target.head_dim,
         intermediate_size=int(tcfg.intermediate_size),
         vocab_size=target.vocab_size,
-        block_size=args.block_size,
+        block_size=args.block_size or 8,
         target_layer_ids=taps,
         num_target_layers=target.num_layers,
         mask_token_id=args.mask_token_id,

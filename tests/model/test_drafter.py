@@ -56,7 +56,9 @@ def _context_and_blocks(drafter: Drafter, lengths: list[int], anchors: list[int]
     return feats, block
 
 
-def _run_batch(drafter: Drafter, feats: list[torch.Tensor], block: torch.Tensor, lo: int = 0):
+def _run_batch(
+    drafter: Drafter, feats: list[torch.Tensor], block: torch.Tensor, lo: int = 0, num_outputs: int | None = None
+):
     r = len(feats)
     cache = DraftContextCache(drafter.config, lo + r, 64, torch.float32, "cpu")
     # Append each row's context in two uneven, ragged chunks to exercise per-row offsets.
@@ -67,7 +69,7 @@ def _run_batch(drafter: Drafter, feats: list[torch.Tensor], block: torch.Tensor,
         for i, c in enumerate(chunks):
             padded[i, : len(c)] = c
         drafter.append_context(cache, lo, padded, torch.tensor([len(c) for c in chunks]))
-    hidden = drafter.forward_block(cache, lo, block)
+    hidden = drafter.forward_block(cache, lo, block, num_outputs=num_outputs)
     return hidden, cache
 
 
@@ -97,6 +99,12 @@ def test_drafting_fewer_slots_gives_the_same_leading_drafts() -> None:
         assert part.tokens.shape == (3, slots)
         assert part.tokens.tolist() == full.tokens[:, :slots].tolist()
         torch.testing.assert_close(part.confidence, full.confidence[:, :slots])
+        # Finishing only the positions those slots read (the last layer's MLP) changes nothing.
+        short, _ = _run_batch(drafter, feats, block, num_outputs=slots)
+        assert short.shape[1] == slots
+        torch.testing.assert_close(short, hidden[:, :slots], rtol=1e-5, atol=1e-5)
+        cut = drafter.draft(short, block[:, 0], _greedy(3), num_slots=slots)
+        assert cut.tokens.tolist() == part.tokens.tolist()
 
 
 def test_block_attention_is_non_causal() -> None:

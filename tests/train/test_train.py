@@ -230,6 +230,14 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     print(f"tiny target: tau untrained {tau_untrained:.2f}, trained {tau_trained:.2f}")
     assert tau_trained > tau_untrained + 0.2
     _check_offline_walk_equals_engine(tiny_target_dir, trained, data)
+    # --block-size re-blocks an --init-from drafter: the same weights, fewer drafts per block.
+    reblocked = tmp_path / "reblocked"
+    shape = common.index("--block-size") + 1
+    args = [*common[:shape], "2", *common[shape + 1 :], "--init-from", str(trained), "--stop-after", "0"]
+    main([*args, "--out", str(reblocked), "--run-dir", str(tmp_path / "run2")])
+    before, after = load_drafter(trained), load_drafter(reblocked)
+    assert (before.config.block_size, after.config.block_size) == (4, 2)
+    torch.testing.assert_close(after.fc.weight, before.fc.weight)
     # `walk` replays fit's own validation: the same τ as the best validation row.
     walk_json = tmp_path / "walk.json"
     walk_args = ["--data", str(data), "--features-dir", str(features), "--val-samples", "4", "--stride", "3"]
