@@ -63,7 +63,8 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
     )
     params = sum(t.numel() for t in engine.target.hf_model.parameters())
     log.info(
-        "loaded in %.1f s: target %s (%.1fM parameters, %s, %s), mode %s, %s, max batch %d, max model len %d",
+        "loaded in %.1f s: target %s (%.1fM parameters, %s, %s), mode %s, %s, %s verify, max batch %d, "
+        "max model len %d",
         time.monotonic() - started,
         settings.target,
         params / 1e6,
@@ -71,6 +72,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         engine.device,
         engine.mode,
         f"{engine.num_drafts} drafts per step" if engine.drafter is not None else "no drafter",
+        "static-shape" if engine.static_shapes else "packed" if engine.packed_verify else "padded",
         engine.max_batch_size,
         engine.max_model_len,
     )

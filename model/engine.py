@@ -160,7 +160,9 @@ class Engine:
         # Packed forwards (default on a CPU, where a forward's matmuls are bound by compute): each
         # row verifies its own number of drafts and padding costs almost nothing, so the policy
         # chooses a width per row. On a GPU a forward costs about the same for any width.
-        self.packed_verify = (self.device.type == "cpu" if packed_verify is None else packed_verify) and target.can_pack
+        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
+        packed = self.device.type == "cpu" if packed_verify is None else packed_verify
+        self.packed_verify = packed and target.can_pack and not self.static_shapes  # buckets have fixed shapes
         block = self._attach_drafter(max_drafts, capture_taps)
         # adaptive: drafts per step from the drafter's confidence and measured step costs
         # (model/policy.py); fixed: every draft up to the first below draft_threshold.
@@ -178,7 +180,6 @@ class Engine:
         # Room for a full block of scratch keys behind the longest allowed context.
         capacity = max_model_len + max(block, self.max_drafts_per_step) + 1
         # Static shapes (default on CUDA): padded batches use slots up to the largest batch bucket.
-        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
         slots = batch_buckets(max_batch_size)[-1] if self.static_shapes else max_batch_size
         self.cache = target.new_cache(slots, capacity)
         self.draft_cache = (
