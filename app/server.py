@@ -47,7 +47,6 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         "ngram": settings.ngram,
         "static_shapes": None if settings.static_shapes == "auto" else settings.static_shapes == "on",
         "cuda_graphs": settings.cuda_graphs,
-        "packed_verify": None if settings.packed_verify == "auto" else settings.packed_verify == "on",
     }
     if settings.block_size is not None:
         kwargs["max_drafts"] = settings.block_size
@@ -63,8 +62,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
     )
     params = sum(t.numel() for t in engine.target.hf_model.parameters())
     log.info(
-        "loaded in %.1f s: target %s (%.1fM parameters, %s, %s), mode %s, %s, %s verify, max batch %d, "
-        "max model len %d",
+        "loaded in %.1f s: target %s (%.1fM parameters, %s, %s), mode %s, %s, max batch %d, max model len %d",
         time.monotonic() - started,
         settings.target,
         params / 1e6,
@@ -72,7 +70,6 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         engine.device,
         engine.mode,
         f"{engine.num_drafts} drafts per step" if engine.drafter is not None else "no drafter",
-        "static-shape" if engine.static_shapes else "packed" if engine.packed_verify else "padded",
         engine.max_batch_size,
         engine.max_model_len,
     )

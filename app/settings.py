@@ -42,12 +42,6 @@ class Settings(BaseSettings):
         description="verify and draft in fixed (batch, tokens) buckets over preallocated buffers, with no host "
         "sync inside a step's forwards; auto: on for CUDA (padding is free there), off on the CPU",
     )
-    packed_verify: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="run a verify forward's per-token matmuls on each row's real tokens only, so every request "
-        "verifies its own number of drafts (padding costs ~nothing); auto: on for the CPU, whose matmuls are bound "
-        "by compute, off for CUDA",
-    )
     cuda_graphs: bool = Field(
         True, description="with static shapes on CUDA, capture each bucket in a CUDA graph at start-up and replay it"
     )

@@ -81,12 +81,7 @@ class StepCosts:
         ordered = sorted(recent)
         table[key] = ordered[int(self.quantile * (len(ordered) - 1))]
 
-    def observe_verify(self, batch: int, tokens: int, seconds: float, total: int | None = None) -> None:
-        """A verify forward of `batch` rows padded to `tokens` each. A packed one (`total` real
-        tokens, fewer than batch x tokens) is recorded as the full forward it stands for, scaled
-        by the prior curve's shape, so cells stay keyed by (batch, T)."""
-        if total is not None and total < batch * tokens:
-            seconds *= prior_verify(batch * tokens, self.prior) / prior_verify(total, self.prior)
+    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
         self._observe(self.verify_s, self.verify_n, self._recent_verify, (batch, tokens), seconds)
 
     def observe_draft(self, batch: int, seconds: float) -> None:
@@ -109,15 +104,6 @@ class StepCosts:
                 t, s = max(trusted, key=lambda ts: self.verify_n[(batch, ts[0])])
                 estimate = min(estimate, s * self._prior_ratio(batch, tokens, t))
         return min([estimate, *longer])
-
-    def verify_total(self, batch: int, total: int) -> float:
-        """Seconds for a packed verify forward of `total` real tokens over `batch` rows: the
-        forward padded to the next whole width, scaled down by the prior curve's shape."""
-        t = -(-total // batch)
-        full = self.verify(batch, t)
-        if total == batch * t:
-            return full
-        return full * prior_verify(total, self.prior) / prior_verify(batch * t, self.prior)
 
     def _verify_estimate(self, batch: int, tokens: int) -> float:
         if (batch, tokens) in self.verify_s:

@@ -134,7 +134,6 @@ class Engine:
         static_shapes: bool | None = None,
         cuda_graphs: bool = True,
         prefill_split_tokens: int | None = None,
-        packed_verify: bool | None = None,
     ) -> None:
         _check_engine_args(mode, drafter, draft_policy)
         self.target = target
@@ -157,12 +156,6 @@ class Engine:
         self.prefill_split_tokens = (
             prefill_split_tokens if prefill_split_tokens is not None else (512 if self.device.type == "cuda" else 32)
         )
-        # Packed forwards (default on a CPU, where a forward's matmuls are bound by compute): each
-        # row verifies its own number of drafts and padding costs almost nothing, so the policy
-        # chooses a width per row. On a GPU a forward costs about the same for any width.
-        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
-        packed = self.device.type == "cpu" if packed_verify is None else packed_verify
-        self.packed_verify = packed and target.can_pack and not self.static_shapes  # buckets have fixed shapes
         block = self._attach_drafter(max_drafts, capture_taps)
         # adaptive: drafts per step from the drafter's confidence and measured step costs
         # (model/policy.py); fixed: every draft up to the first below draft_threshold.
@@ -173,13 +166,13 @@ class Engine:
             ngram_max_n=ngram_max_n,
             ngram_max_drafts=self.ngram_max_drafts,
             prior=prior_curve_for(target.device, target.dtype),
-            per_row_widths=self.packed_verify,
         )
         self.capture = bool(capture_taps)
         self.want_features = self.drafter is not None or self.capture
         # Room for a full block of scratch keys behind the longest allowed context.
         capacity = max_model_len + max(block, self.max_drafts_per_step) + 1
         # Static shapes (default on CUDA): padded batches use slots up to the largest batch bucket.
+        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
         slots = batch_buckets(max_batch_size)[-1] if self.static_shapes else max_batch_size
         self.cache = target.new_cache(slots, capacity)
         self.draft_cache = (
@@ -481,13 +474,7 @@ class Engine:
                 tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids, device=self.device)
             self.cache.lengths[lo + a : lo + b] = 0
             out = self.target.forward(
-                self.cache,
-                lo + a,
-                tokens,
-                logits_at=lens[a:b] - 1,
-                want_features=self.want_features,
-                taps=self.taps,
-                num_tokens=lens[a:b] if self.packed_verify else None,
+                self.cache, lo + a, tokens, logits_at=lens[a:b] - 1, want_features=self.want_features, taps=self.taps
             )
             logits_parts.append(out.logits[:, 0])
             features.append(out.features)
@@ -652,11 +639,10 @@ class Engine:
         dev = self.device
         tokens = torch.cat([anchors[:, None], drafts.tokens], dim=1)
         t_fwd = time.perf_counter()
-        out = self._target_verify(lo, tokens, drafts.counts + 1 if self.packed_verify else None)
+        out = self._target_verify(lo, tokens)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
-        total = sum(choice.counts) + r if self.packed_verify else None
-        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd, total)
+        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
         logits = out.logits  # [R, k + 1, V]
         scores = process_logits([row.processor for row in rows], logits, drafts.tokens)  # what the rows choose from
 
@@ -696,17 +682,14 @@ class Engine:
             accepted[s], bonus[s] = acc_s, bonus_s
         return out, accepted, bonus
 
-    def _target_verify(self, lo: int, tokens: torch.Tensor, num_tokens: torch.Tensor | None = None) -> TargetOutput:
+    def _target_verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
         """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
-        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path
-        (packed to `num_tokens` real tokens per row when given)."""
+        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path."""
         if self.static is not None and lo == 0:
             out = self.static.run_verify(tokens)
             if out is not None:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
-        return self.target.forward(
-            self.cache, lo, tokens, want_features=self.want_features, taps=self.taps, num_tokens=num_tokens
-        )
+        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
 
     def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply

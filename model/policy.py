@@ -88,11 +88,8 @@ class DraftPolicy:
         ngram_max_n: int,
         ngram_max_drafts: int,
         prior: VerifyCurve = PRIOR_VERIFY_CURVE,
-        per_row_widths: bool = False,
     ) -> None:
         self.adaptive = adaptive
-        # Packed verify forwards (a row's padding costs ~nothing): greedy rows get a width each.
-        self.per_row_widths = per_row_widths
         self.num_drafts = num_drafts  # drafter slots per block (the most it can propose)
         self.draft_threshold = draft_threshold
         self.prior = prior
@@ -291,16 +288,12 @@ class DraftPolicy:
                 gain_n[i] = capped_gain(expected_accepted(plan.accept[None].double()), width, torch.tensor([width]))[0]
         best = torch.maximum(gain_d[greedy_idx], gain_n[greedy_idx])
         draft_cost = self.costs.draft(span[1] - span[0]) if span is not None else 0.0
-        if self.per_row_widths:
-            fixed = r + sum(choice.counts)  # anchors, and the sampling rows' drafts
-            widths = best_row_widths(best, r, fixed, self.costs, draft_cost)
-        else:
-            shared, _rate = best_shared_width(best, self.costs, draft_cost)
-            # Sampling rows may widen the forward: greedy rows use the padded width for free.
-            widths = [max([shared, *choice.counts])] * len(greedy_idx)
-        for i, k in zip(greedy_idx, widths):
-            if k == 0:
-                continue
+        shared, _rate = best_shared_width(best, self.costs, draft_cost)
+        # Sampling rows may widen the forward: greedy rows use the padded width for free.
+        k = max([shared, *choice.counts])
+        if k == 0:
+            return
+        for i in greedy_idx:
             if gain_n[i, k] > gain_d[i, k]:
                 choice.counts[i], choice.use_ngram[i] = min(k, ngram_len[i]), True
             elif gain_d[i, k] > 0:
@@ -365,38 +358,6 @@ def best_shared_width(gain: torch.Tensor, costs: StepCosts, draft_cost: float) -
     rates = [tokens[k] / (draft_cost + costs.verify(r, k + 1)) for k in range(w1)]
     best = max(range(w1), key=lambda k: rates[k])
     return best, rates[best]
-
-
-def best_row_widths(
-    gain: torch.Tensor, batch: int, fixed_tokens: int, costs: StepCosts, draft_cost: float
-) -> list[int]:
-    """A width per row for a packed verify forward (cost by its total tokens): the widths k_r with
-    the highest expected token rate (batch + sum_r gain[r, k_r]) / (draft_cost + t(batch, fixed_tokens + sum_r k_r)),
-    given each row's expected accepted drafts at width k, gain [G, W + 1] (capped like
-    `best_shared_width`'s); `fixed_tokens` are the forward's other tokens (anchors, sampling rows' drafts).
-
-    Every draft costs the same in a packed forward, so at a price `lam` per draft each row takes the
-    width maximising gain[r, k] - lam * k; sweeping lam over the rows' marginal gains visits every
-    allocation that can be best (exactly so where gains are concave in k, as products of
-    acceptance probabilities are), and the rate picks among them."""
-    g, w1 = gain.shape
-    if g == 0 or w1 == 1:
-        return [0] * g
-    ks = torch.arange(w1, dtype=gain.dtype)
-    marginal = gain[:, 1:] - gain[:, :-1]
-    prices = torch.unique(marginal[marginal > 0])
-    # At each price, the widest width on ties (the slots whose marginal gain is the price itself).
-    widths = (w1 - 1) - (gain[None] - prices[:, None, None] * ks).flip(-1).argmax(-1)  # [L, G]
-    widths = torch.cat([torch.zeros(1, g, dtype=widths.dtype), widths])  # and: no drafts at all
-    tokens = (fixed_tokens + widths.sum(-1)).tolist()
-    gains = gain.gather(1, widths.t()).sum(0).tolist()
-    cost: dict[int, float] = {}
-    rates = []
-    for n, e in zip(tokens, gains):
-        if n not in cost:
-            cost[n] = draft_cost + costs.verify_total(batch, n)
-        rates.append((batch + e) / cost[n])
-    return widths[max(range(len(rates)), key=lambda j: rates[j])].tolist()
 
 
 def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: StepCosts) -> tuple[int, float]:

@@ -109,38 +109,6 @@ class TargetModel:
         self._hooks: list[Any] = []
         self.tap_layer_ids: list[int] = []
         self.set_taps(tap_layer_ids or [])
-        # Packed forwards (`num_tokens`): every per-token part of a layer (its MLP, and its
-        # attention's projections where it has the usual ones) runs on the real tokens only.
-        self._packed_index: torch.Tensor | None = None
-        self._packed_rows: tuple[int, int] = (0, 0)
-        mlps = [getattr(layer, "mlp", None) for layer in self.decoder.layers]
-        self.can_pack = all(isinstance(m, nn.Module) for m in mlps)
-        if self.can_pack:
-            for layer in self.decoder.layers:
-                attn = getattr(layer, "self_attn", None)
-                projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-                for m in [layer.mlp, *(p for p in projections if isinstance(p, nn.Linear))]:
-                    m.register_forward_pre_hook(self._pack_input)
-                    m.register_forward_hook(self._unpack_output)
-
-    def _pack_input(self, _module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """[R, T, H] -> the real tokens [1, N, H] (a 3-D batch of one: MoE blocks expect three dims)."""
-        if self._packed_index is None:
-            return None
-        (x,) = args
-        self._packed_rows = (x.shape[0], x.shape[1])
-        return (x.reshape(-1, x.shape[-1])[self._packed_index][None],)
-
-    def _unpack_output(self, _module: nn.Module, _args: Any, out: Any) -> torch.Tensor | None:
-        """Back to [R, T, D], zeros at padding: a padded position is never read by a real one
-        (padding sits to the right of a row's real tokens, and attention is causal)."""
-        if self._packed_index is None:
-            return None
-        r, t = self._packed_rows
-        packed = out[0] if isinstance(out, tuple) else out
-        full = packed.new_zeros(r * t, packed.shape[-1])
-        full[self._packed_index] = packed[0]
-        return full.view(r, t, -1)
 
     def set_taps(self, tap_layer_ids: list[int]) -> None:
         """Capture the outputs of these decoder layers (HF `hidden_states[l + 1]`)."""
@@ -178,7 +146,6 @@ class TargetModel:
         want_features: bool = True,
         static: bool = False,
         taps: list[int] | None = None,
-        num_tokens: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run tokens [R, T] for slots lo..lo+R-1, placed at each row's current cache length.
 
@@ -188,11 +155,6 @@ class TargetModel:
         layers concatenated into the features (default: all of them). `static` attends over
         the cache's whole capacity: shapes depend only on [R, T] and nothing is read back to the
         host (model/static.py captures this in CUDA graphs).
-
-        `num_tokens` [R] (real tokens per row, the rest padding) packs the forward: the MLPs and
-        the LM head run on the real tokens only, and padded positions get zero logits. Where a
-        forward's matmuls are bound by compute (a CPU at batch x T >~ 16), padding is then almost
-        free; attention still runs padded (it is a small part, and needs the [R, T] layout).
         """
         r, t = tokens.shape
         start = cache.lengths[lo : lo + r]
@@ -204,28 +166,11 @@ class TargetModel:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
         self._captured.clear()
-        index = None
-        if num_tokens is not None and self.can_pack and not static:
-            real = (torch.arange(t, device=tokens.device)[None, :] < num_tokens[:, None]).view(-1)
-            if not bool(real.all()):
-                index = real.nonzero().squeeze(1)
-        self._packed_index = index
-        try:
-            out = self.decoder(
-                input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-            )
-        finally:
-            self._packed_index = None
+        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
         hidden = out.last_hidden_state
         if logits_at is not None:
-            logits = self.lm_head(hidden[torch.arange(r, device=hidden.device), logits_at][:, None])
-        elif index is not None:
-            flat = hidden.reshape(r * t, -1)
-            logits = flat.new_zeros(r * t, self.vocab_size)
-            logits[index] = self.lm_head(flat[index])
-            logits = logits.view(r, t, -1)
-        else:
-            logits = self.lm_head(hidden)
+            hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]
+        logits = self.lm_head(hidden)
         features = None
         taps = self.tap_layer_ids if taps is None else taps
         if want_features and taps:

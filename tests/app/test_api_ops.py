@@ -197,25 +197,6 @@ def test_prometheus_scrapes_mean_acceptance_length(
         srv.stop()
 
 
-def _concurrent_greedy_matches(srv: ServerProcess, tiny_hf: tuple[Any, Any], greedy_reference: Any) -> None:
-    prompts = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "Hello"]
-    results: dict[int, dict[str, Any]] = {}
-
-    def one(i: int) -> None:
-        body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 16, "temperature": 0}
-        results[i] = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for i, prompt in enumerate(prompts):
-        _, ref_text, ref_finish = greedy_reference(tiny_hf[1].encode(prompt), 16)
-        choice = results[i]["choices"][0]
-        assert (choice["text"], choice["finish_reason"]) == (ref_text, ref_finish)
-
-
 def test_static_shapes_setting_serves_identical_tokens(
     server_factory: Callable[..., ServerProcess], tiny_hf: tuple[Any, Any], greedy_reference: Any
 ) -> None:
@@ -223,21 +204,23 @@ def test_static_shapes_setting_serves_identical_tokens(
     answer exactly the target's greedy tokens, and the start-up log reports the warm-up."""
     srv = server_factory(static_shapes="on", max_batch_size=3)
     try:
-        _concurrent_greedy_matches(srv, tiny_hf, greedy_reference)
+        prompts = ["The quick brown fox", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,", "Hello"]
+        results: dict[int, dict[str, Any]] = {}
+
+        def one(i: int) -> None:
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": 16, "temperature": 0}
+            results[i] = httpx.post(srv.url + "/v1/completions", json=body, timeout=120).json()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, prompt in enumerate(prompts):
+            _, ref_text, ref_finish = greedy_reference(tiny_hf[1].encode(prompt), 16)
+            choice = results[i]["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == (ref_text, ref_finish)
         # Batch buckets 1, 2, 4: verify at T = 1, 2, 3, 5, 9 (W = 8 n-gram drafts) and the proposal.
-        logs = srv.logs()
-        assert "static-shape steps ready: 18 buckets" in logs and "static-shape verify" in logs
-    finally:
-        srv.stop()
-
-
-def test_padded_verify_setting_serves_identical_tokens(
-    server_factory: Callable[..., ServerProcess], tiny_hf: tuple[Any, Any], greedy_reference: Any
-) -> None:
-    """DOMINO_PACKED_VERIFY=off (the CUDA default; the CPU packs): one shared width, the same tokens."""
-    srv = server_factory(packed_verify="off", max_batch_size=3)
-    try:
-        _concurrent_greedy_matches(srv, tiny_hf, greedy_reference)
-        assert "padded verify" in srv.logs()
+        assert "static-shape steps ready: 18 buckets" in srv.logs()
     finally:
         srv.stop()

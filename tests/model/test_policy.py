@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from model.costs import CPU_BF16_VERIFY_CURVE, AcceptanceCalibration, StepCosts, prior_verify
-from model.drafter import DraftResult
+from model.costs import AcceptanceCalibration, StepCosts
 from model.engine import SamplingParams
-from model.policy import best_row_widths, best_shared_drafts, capped_gain, expected_accepted
+from model.policy import best_shared_drafts
 from tests.helpers import tiny_target
-from tests.model.test_engine import OracleEngine, _engine, _hf_greedy, _oracle, _prompts
+from tests.model.test_engine import _engine, _hf_greedy, _oracle, _prompts
 
 
 class PriorCosts(StepCosts):
     """Step costs frozen at the prior curve (no measurements)."""
 
-    def observe_verify(self, batch: int, tokens: int, seconds: float, total: int | None = None) -> None:
+    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
         pass
 
     def observe_draft(self, batch: int, seconds: float) -> None:
@@ -174,72 +171,3 @@ def test_adaptive_policy_measures_a_plain_step_at_each_batch_size() -> None:
     sampling = _engine(model, "domino", 1, draft_policy="adaptive")
     sampling.generate([prompts[0]], SamplingParams(max_new_tokens=12, temperature=0.8, seed=3))
     assert sampling.policy.plain_probes == {}
-
-
-def test_packed_verify_cost_follows_total_tokens() -> None:
-    costs = StepCosts(prior=CPU_BF16_VERIFY_CURVE)
-    for _ in range(3):
-        costs.observe_verify(8, 3, 0.130)
-    assert costs.verify_total(8, 24) == costs.verify(8, 3) == 0.130
-    ratio = prior_verify(14, CPU_BF16_VERIFY_CURVE) / prior_verify(24, CPU_BF16_VERIFY_CURVE)
-    assert abs(costs.verify_total(8, 14) - 0.130 * ratio) < 1e-12  # 14 real tokens: T = 2 rounded up to 3
-    # A packed forward of 14 tokens is recorded as the full T = 3 forward it stands for.
-    packed = StepCosts(prior=CPU_BF16_VERIFY_CURVE)
-    for _ in range(3):
-        packed.observe_verify(8, 3, 0.130 * ratio, total=14)
-    assert abs(packed.verify(8, 3) - 0.130) < 1e-12
-
-
-def _rate(gain: torch.Tensor, widths: list[int], batch: int, fixed: int, costs: StepCosts, draft: float) -> float:
-    e = sum(float(gain[i, k]) for i, k in enumerate(widths))
-    return (batch + e) / (draft + costs.verify_total(batch, fixed + sum(widths)))
-
-
-def test_row_widths_are_the_best_allocation() -> None:
-    """Against every allocation of widths to 3 rows: the price sweep finds the best rate."""
-    costs = StepCosts(prior=CPU_BF16_VERIFY_CURVE)
-    g = torch.Generator().manual_seed(3)
-    for trial in range(30):
-        conf = torch.rand(3, 4, generator=g, dtype=torch.float64) ** 0.5
-        gain = capped_gain(expected_accepted(conf), 4, torch.tensor([4, 2, 4]))
-        got = best_row_widths(gain, 3, 3, costs, 0.01)
-        best = max(_rate(gain, list(w), 3, 3, costs, 0.01) for w in itertools.product(range(5), repeat=3))
-        assert _rate(gain, got, 3, 3, costs, 0.01) >= best - 1e-9, (trial, got)
-    # A confident row verifies more drafts than a doubtful one in the same forward.
-    conf = torch.tensor([[0.95, 0.9, 0.9, 0.85], [0.02, 0.1, 0.1, 0.1]], dtype=torch.float64)
-    widths = best_row_widths(capped_gain(expected_accepted(conf), 4, torch.tensor([9, 9])), 2, 2, costs, 0.01)
-    assert widths[0] >= 3 and widths[1] == 0
-
-
-class _ConfidenceOracle(OracleEngine):
-    """The oracle's drafts with a confidence per request: 0.95 and right for gen-0, 0.02 and wrong else."""
-
-    def _propose(self, lo, rows, anchors, sampling, num_slots) -> DraftResult:
-        draft = super()._propose(lo, rows, anchors, sampling, num_slots)
-        for i, row in enumerate(rows):
-            sure = row.request_id == "gen-0"
-            draft.confidence[i] = 0.95 if sure else 0.02
-            if not sure:
-                draft.tokens[i] = (draft.tokens[i] + 1) % self.target.vocab_size
-        return draft
-
-
-def test_packed_verify_gives_each_row_its_own_width() -> None:
-    """Packed: the confident row verifies full blocks, the doubtful one none, in the same steps; padded
-    (one shared width) the doubtful row verifies as many drafts as the confident one. Greedy output
-    is the target's either way. The doubtful row finishes first: alone, even a 2 % draft pays."""
-    model = tiny_target()
-    prompts = _prompts(2)
-    budgets = [60, 12]
-    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    conts = {f"gen-{i}": r for i, r in enumerate(refs)}
-    drafted = {}
-    for packed in (True, False):
-        engine = _oracle(model, conts, draft_policy="adaptive", packed_verify=packed)
-        engine.__class__ = _ConfidenceOracle
-        engine.policy.costs = PriorCosts(prior=CPU_BF16_VERIFY_CURVE)
-        results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
-        assert [t for t, _, _ in results] == refs
-        drafted[packed] = [s.draft_tokens for _, s, _ in results]
-    assert drafted[True][0] > 20 and drafted[True][1] == 0, drafted
-    assert drafted[False][1] > 10, drafted
