@@ -69,6 +69,11 @@ class DrafterConfig:
         return self.block_size if self.shift_label else self.block_size - 1
 
     @property
+    def first_draft_position(self) -> int:
+        """The block position whose output drafts slot 0 (the anchor's, with shift_label)."""
+        return 0 if self.shift_label else 1
+
+    @property
     def draft_vocab(self) -> int:
         return self.draft_vocab_size or self.vocab_size
 
@@ -433,8 +438,7 @@ class Drafter(nn.Module):
         time, vectorised across rows.
         """
         cfg = self.config
-        first_slot = 0 if cfg.shift_label else 1
-        draft_hidden = hidden[:, first_slot:]  # [R, D, H]
+        draft_hidden = hidden[:, cfg.first_draft_position :]  # [R, D, H]
         if num_slots is not None:
             draft_hidden = draft_hidden[:, :num_slots]
         base = self.base_logits(draft_hidden)  # [R, D, V]

@@ -228,8 +228,8 @@ class Engine:
             (anchors.shape[0], self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
         )
         block[:, 0] = anchors
-        # Hidden states up to the last slot drafted (shift_label: output j drafts slot j).
-        needed = num_slots + (0 if self.drafter.config.shift_label else 1)
+        # Hidden states up to the last slot drafted.
+        needed = self.drafter.config.first_draft_position + num_slots
         hidden = self.drafter.forward_block(self.draft_cache, lo, block, static=static, num_outputs=needed)
         return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
 

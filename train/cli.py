@@ -11,6 +11,7 @@ import torch
 
 from model.loading import load_target, resolve_device, resolve_dtype
 from model.target import TargetModel
+from train.init import DEFAULT_BLOCK_SIZE
 
 
 def features_cmd(args: argparse.Namespace) -> None:
@@ -116,7 +117,7 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
         "--block-size",
         type=int,
         default=None,
-        help="default 8; with --init-from, re-blocks that drafter (no weight depends on it)",
+        help=f"default {DEFAULT_BLOCK_SIZE}; with --init-from, re-blocks that drafter (no weight depends on it)",
     )
     f.add_argument("--taps", default=None, help="comma-separated target layer ids (default: docs/design.md rule)")
     f.add_argument("--gru-size", type=int, default=256)

@@ -9,6 +9,8 @@ import torch
 from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from model.target import TargetModel
 
+DEFAULT_BLOCK_SIZE = 8  # a new drafter's block when --block-size is not given
+
 
 def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
     tcfg = target.config
@@ -29,7 +31,7 @@ def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_voc
         head_dim=target.head_dim,
         intermediate_size=int(tcfg.intermediate_size),
         vocab_size=target.vocab_size,
-        block_size=args.block_size or 8,
+        block_size=args.block_size or DEFAULT_BLOCK_SIZE,
         target_layer_ids=taps,
         num_target_layers=target.num_layers,
         mask_token_id=args.mask_token_id,
