@@ -12,6 +12,7 @@ RUN=${RUN:-runs/block4}
 # the default now continues from the shipped block-4 drafter.
 INIT=${INIT:-models/smollm2-135m-domino}
 LR=${LR:-4e-4}
+EXTRA=${EXTRA:-}   # more fit arguments, e.g. "--distill 0.5"
 DATA=data/smollm2-135m-instruct
 TAPS=4,15,28
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
@@ -22,6 +23,6 @@ $PY -m train features --data $DATA --taps $TAPS --shards 0,1,2,3,4,5,6,7 --threa
 $PY -m train fit --data $DATA --stored-only --init-from "$INIT" --block-size 4 \
   --batch-seqs 1 --anchors 32 --lr "$LR" --base-loss-until 0.1 --threads 1 --save-every 500 \
   --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2000 \
-  --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
+  --out "$RUN/drafter" --run-dir "$RUN/state" $EXTRA >> "$RUN/fit.log" 2>&1
 $PY -m train eval --drafter "$RUN/drafter" --modes domino,dflash --slice test --json "$RUN/drafter/eval.json"
 echo "compare $RUN/drafter/eval.json with models/smollm2-135m-domino/eval.json; copy if better"
