@@ -147,6 +147,13 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many steps in this run")
     f.add_argument("--time-budget-s", type=float, default=None, help="train for this wall time (schedules follow it)")
     f.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    f.add_argument(
+        "--amp",
+        default="auto",
+        choices=["auto", "bf16", "off"],
+        help="bf16 autocast of the training forward/backward (weights and optimizer stay fp32); "
+        "auto: on CUDA with bf16 and on CPUs with native bf16 matmuls",
+    )
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--max-samples", type=int, default=None)
     f.add_argument("--seed", type=int, default=0)

@@ -12,12 +12,14 @@ import torch
 
 from model.checkpoint import load_drafter
 from model.drafter import DraftContextCache
+from model.loading import cpu_has_native_bf16
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from train.cli import main
 from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
 from train.features import ShardFeatures, compute_features, shard_features_dir
+from train.fit import amp_enabled
 from train.init import rebuild_draft_vocab
 from train.loss import (
     default_gamma,
@@ -217,6 +219,9 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     # The schedule continued across the resume: no second warm-up at step 51.
     assert float(rows[50]["lr"]) < float(rows[10]["lr"])
     assert (run / "loss.png").stat().st_size > 0
+    # --amp auto: bf16 autocast where this CPU multiplies bf16 natively, recorded with the run.
+    amp = json.loads((run / "summary.json").read_text())["amp"]
+    assert amp == ("bf16" if cpu_has_native_bf16() else "off")
     val = list(csv.DictReader((run / "val.csv").open()))
     assert [int(r["step"]) for r in val] == [40, 50, 80, 120]  # every 40 steps and where a run stopped
     best = max(float(r["val_tau"]) for r in val)
@@ -334,3 +339,35 @@ def test_rebuild_draft_vocab_keeps_learned_rows_of_kept_tokens() -> None:
     assert drafter.draft_vocab_ids.tolist() == [3, 5, 40, 41, 42, 43, 44, 45]
     rows = drafter.embed_proj[2].weight[:, 0].tolist()
     assert rows == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_bf16_autocast_step_tracks_fp32() -> None:
+    """fit's bf16 autocast (`--amp`): the loss and gradients follow the fp32 step closely, the matmuls
+    really run in bf16, and the weights and their gradients stay fp32 for the optimizer."""
+    torch.manual_seed(0)
+    drafter = tiny_drafter(std=0.3)
+    target = tiny_target()
+    drafter.bind_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    n, kh = 24, len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    batch = sample_batch([(torch.randint(3, 100, (n,)), torch.randn(n, kh), 5, None, None)], 8, random.Random(0))
+    gamma = default_gamma(drafter.config.block_size)
+
+    def step(amp: bool) -> tuple[float, dict[str, torch.Tensor], torch.dtype]:
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = training_loss(drafter, batch, 0.5, None, gamma=gamma)
+        out["loss"].backward()
+        grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+        return out["loss"].item(), grads, out["final_logits"].dtype
+
+    loss32, grads32, dtype32 = step(amp=False)
+    loss16, grads16, dtype16 = step(amp=True)
+    assert dtype32 == torch.float32 and dtype16 == torch.bfloat16  # autocast reached the LM head
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    assert set(grads16) == set(grads32)
+    for name, g in grads16.items():
+        assert g.dtype == torch.float32, name
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), grads32[name].flatten(), dim=0)
+        assert cos > 0.98, (name, float(cos))
+    assert amp_enabled("off", "cpu") is False and amp_enabled("bf16", "cpu") is True
+    assert amp_enabled("auto", "cpu") is cpu_has_native_bf16()
