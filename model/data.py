@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +114,21 @@ def _first_human_turn(item: Any) -> str | None:
     return value.strip()
 
 
+def _later_human_turns(item: Any) -> list[str]:
+    """The messages a person wrote after a conversation's opening one (stripped)."""
+    turns = item.get("conversations") if isinstance(item, dict) else None
+    if not isinstance(turns, list):
+        return []
+    return [
+        t["value"].strip()
+        for t in turns[1:]
+        if isinstance(t, dict) and t.get("from") in HUMAN_ROLES and isinstance(t.get("value"), str)
+    ]
+
+
 @functools.lru_cache(maxsize=1)
-def _sharegpt_first_turns() -> tuple[str, ...]:
+def _sharegpt_conversations() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(opening human turn, later human turns) of each conversation a person opened."""
     # Cached: parsing 125 MB takes a couple of seconds and callers may ask several times.
     path = _wheel_path(SHAREGPT_WHEEL, SHAREGPT_WHEEL_ENV)
     try:
@@ -125,12 +138,16 @@ def _sharegpt_first_turns() -> tuple[str, ...]:
             text = zf.read(member).decode("utf-8", errors="replace")
     except (OSError, zipfile.BadZipFile) as exc:
         raise DataSourceError(f"cannot read {path}: {exc}") from exc
-    turns = []
+    conversations = []
     for item in iter_truncated_json_array(text):
         turn = _first_human_turn(item)
         if turn is not None:
-            turns.append(turn)
-    return tuple(turns)
+            conversations.append((turn, tuple(_later_human_turns(item))))
+    return tuple(conversations)
+
+
+def _sharegpt_first_turns() -> tuple[str, ...]:
+    return tuple(first for first, _ in _sharegpt_conversations())
 
 
 def load_sharegpt_prompts(min_chars: int = 20, max_chars: int = 2000, dedupe: bool = True) -> list[str]:
@@ -150,6 +167,29 @@ def load_sharegpt_prompts(min_chars: int = 20, max_chars: int = 2000, dedupe: bo
             seen.add(turn)
         prompts.append(turn)
     return prompts
+
+
+def load_sharegpt_later_turns(
+    exclude_conversations: Collection[str], min_chars: int = 20, max_chars: int = 2000, seed: int = 0
+) -> list[str]:
+    """Human turns after the opening one, as standalone prompts: more training prompts once every
+    first turn is used. Conversations whose opening turn is in `exclude_conversations` (the
+    held-out slice) are skipped whole, along with any text that one of them contains; no prompt
+    repeats a first turn or another prompt. Seeded order (like `split_sharegpt`), so a prefix
+    mixes every topic."""
+    excluded = set(exclude_conversations)
+    conversations = _sharegpt_conversations()
+    firsts = {first for first, _ in conversations}
+    seen = {turn for first, later in conversations if first in excluded for turn in later}  # never used
+    prompts = []
+    for first, later in conversations:
+        if first in excluded:
+            continue
+        for turn in later:
+            if min_chars <= len(turn) <= max_chars and turn not in firsts and turn not in seen:
+                seen.add(turn)
+                prompts.append(turn)
+    return sorted(prompts, key=lambda p: _split_key(seed, p))
 
 
 def _split_key(seed: int, prompt: str) -> bytes:

@@ -70,6 +70,12 @@ def _gen_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--target", default="default")
     g.add_argument("--out", required=True)
     g.add_argument("--prompts", default=None, help="JSONL prompt file instead of ShareGPT")
+    g.add_argument(
+        "--source",
+        default="first-turns",
+        choices=["first-turns", "later-turns"],
+        help="ShareGPT prompts: opening human turns, or the later human turns of training conversations",
+    )
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--shard-size", type=int, default=64)
     g.add_argument("--first-shard", type=int, default=0)

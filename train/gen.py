@@ -27,7 +27,7 @@ log = logging.getLogger("domino.train.gen")
 
 
 def gen(args: argparse.Namespace) -> None:
-    from model.data import load_sharegpt_prompts, split_sharegpt
+    from model.data import load_sharegpt_later_turns, load_sharegpt_prompts, split_sharegpt
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -37,7 +37,10 @@ def gen(args: argparse.Namespace) -> None:
         prompts: list[Any] = load_prompt_file(Path(args.prompts), tokenizer)
     else:
         # ShareGPT first human turns; the held-out slice (bench/prompts) is never trained on.
-        prompts, _heldout = split_sharegpt(load_sharegpt_prompts(), heldout=args.heldout, seed=0)
+        prompts, heldout = split_sharegpt(load_sharegpt_prompts(), heldout=args.heldout, seed=0)
+        if args.source == "later-turns":
+            # Later turns of the training conversations only: nothing of a held-out one.
+            prompts = load_sharegpt_later_turns(heldout)
     engine = Engine(
         TargetModel(model),
         None,

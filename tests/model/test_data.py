@@ -110,3 +110,20 @@ def test_build_script_is_reproducible(tmp_path: Path) -> None:
     assert counts == {build.HUMANEVAL_FILE: 164, build.SHAREGPT_HELDOUT_FILE: 200}
     for name in counts:
         assert (tmp_path / name).read_bytes() == (REPO / "bench" / "prompts" / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_later_turns_leave_the_heldout_conversations_alone() -> None:
+    prompts = data.load_sharegpt_prompts()
+    train, held = data.split_sharegpt(prompts, heldout=200, seed=0)
+    later = data.load_sharegpt_later_turns(held)
+    assert 15_000 <= len(later) <= 30_000
+    assert len(set(later)) == len(later)
+    assert all(20 <= len(p) <= 2000 for p in later)
+    conversations = data._sharegpt_conversations()
+    held_set = set(held)
+    held_text = {t for first, rest in conversations if first in held_set for t in rest}
+    assert held_text and held_text.isdisjoint(later)  # nothing a held-out conversation says
+    assert {first for first, _ in conversations}.isdisjoint(later)  # no first turn again
+    assert data.load_sharegpt_later_turns(held) == later  # stable order
+    assert len(data.load_sharegpt_later_turns([])) > len(later)  # the exclusion did remove prompts
