@@ -15,13 +15,14 @@ from train.init import DEFAULT_BLOCK_SIZE
 
 
 def features_cmd(args: argparse.Namespace) -> None:
-    from train.features import default_features_root, store_features
+    from train.features import store_features
+    from train.fit import features_root
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, _ = load_target(args.target, resolve_dtype(args.dtype, device), device)
-    root = Path(args.features_dir) if args.features_dir else default_features_root() / Path(args.data).name
+    root = features_root(Path(args.data), args.features_dir, several=False)
     shards = [int(x) for x in args.shards.split(",")] if args.shards else None
     taps = [int(t) for t in args.taps.split(",")]
     store_features(TargetModel(model), Path(args.data), root, taps, args.topk, shards, target_name=args.target)
@@ -108,7 +109,9 @@ def _features_parser(sub: argparse._SubParsersAction) -> None:
 def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("fit", help="train a drafter on regenerated answers (resumable)")
     f.add_argument("--target", default="default")
-    f.add_argument("--data", required=True, help="directory of gen shards")
+    f.add_argument(
+        "--data", required=True, help="directory of gen shards, or several comma-separated (validation: the first's)"
+    )
     f.add_argument("--features-dir", default=None, help="stored features (default: ~/.cache/domino-serve/features/…)")
     f.add_argument("--stored-only", action="store_true", help="train only on shards whose features are stored")
     f.add_argument("--online-features", action="store_true", help="a target forward per batch, nothing stored")

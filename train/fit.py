@@ -39,20 +39,34 @@ LOG_COLUMNS = ["step", "loss", "loss_base", "loss_final", "acc", "lambda", "lr",
 VAL_COLUMNS = ["step", "blocks", "val_tau", "elapsed_s", "best"]
 
 
+def features_root(data_dir: Path, features_dir: str | None, several: bool) -> Path:
+    """Where a gen directory's stored features live: `--features-dir` itself for a single data
+    directory, else one folder per data directory name under it (default: the user cache)."""
+    if features_dir and not several:
+        return Path(features_dir)
+    return (Path(features_dir) if features_dir else default_features_root()) / data_dir.name
+
+
 class TrainingData:
     """Training and validation sequences with their stored features (memory-mapped) or none
     (online features). Validation = the last `val_samples` samples of the first shard."""
 
     def __init__(self, args: argparse.Namespace, taps: list[int], target: TargetModel) -> None:
-        self.data_dir = Path(args.data)
-        self.paths = shard_paths(self.data_dir)
-        if not self.paths:
-            raise SystemExit(f"no gen shards (shard-*.jsonl.gz) in {self.data_dir}")
+        # One or more gen directories (comma-separated); validation always comes from the first.
+        data_dirs = [Path(d) for d in str(args.data).split(",") if d]
+        self.paths: list[Path] = []
+        self.roots: list[Path] = []  # the features root of each shard's directory
+        for data_dir in data_dirs:
+            paths = shard_paths(data_dir)
+            if not paths:
+                raise SystemExit(f"no gen shards (shard-*.jsonl.gz) in {data_dir}")
+            root = features_root(data_dir, args.features_dir, several=len(data_dirs) > 1)
+            self.paths += paths
+            self.roots += [root] * len(paths)
+            if not args.online_features and not args.stored_only:
+                store_features(target, data_dir, root, taps, topk=args.topk, target_name=args.target)
         self.online = bool(args.online_features)
-        self.root = Path(args.features_dir) if args.features_dir else default_features_root() / self.data_dir.name
         self.stores: list[ShardFeatures | None] = [None] * len(self.paths)
-        if not self.online and not args.stored_only:
-            store_features(target, self.data_dir, self.root, taps, topk=args.topk, target_name=args.target)
         self.target = target
         self.taps = taps
         self.max_samples = args.max_samples
@@ -63,7 +77,7 @@ class TrainingData:
         self.refresh()
         if not self.train:
             raise SystemExit(
-                f"no training samples in {self.data_dir}"
+                f"no training samples in {args.data}"
                 + (": no shard has stored features yet (run `domino-train features`)" if args.stored_only else "")
             )
 
@@ -91,7 +105,7 @@ class TrainingData:
             if k in self.loaded:
                 continue
             if not self.online:
-                directory = shard_features_dir(self.root, path, self.taps)
+                directory = shard_features_dir(self.roots[k], path, self.taps)
                 if not (directory / "meta.json").exists():
                     continue
                 self.stores[k] = ShardFeatures.open(directory)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,16 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     before, after = load_drafter(trained), load_drafter(reblocked)
     assert (before.config.block_size, after.config.block_size) == (4, 2)
     torch.testing.assert_close(after.fc.weight, before.fc.weight)
+    # Several gen directories train together; validation stays the first one's.
+    more = tmp_path / "more"
+    more.mkdir()
+    shutil.copy(shard_paths(data)[1], more / shard_paths(data)[0].name)
+    both = [*common[: common.index("--data") + 1], f"{data},{more}", *common[common.index("--data") + 2 :]]
+    run3 = tmp_path / "run3"
+    main([*both, "--out", str(tmp_path / "both"), "--run-dir", str(run3), "--stop-after", "1"])
+    summary = json.loads((run3 / "summary.json").read_text())
+    assert summary["train_samples"] == json.loads((run / "summary.json").read_text())["train_samples"] + 8
+    assert (features / "more").is_dir() and (features / "data").is_dir()  # one folder per data directory
     # `walk` replays fit's own validation: the same τ as the best validation row.
     walk_json = tmp_path / "walk.json"
     walk_args = ["--data", str(data), "--features-dir", str(features), "--val-samples", "4", "--stride", "3"]
