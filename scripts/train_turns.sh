@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Round 8 (models/README.md): the shipped block-4 drafter trained on over the first-turn data plus
+# the later-turn data (`gen --source later-turns`, data/smollm2-135m-instruct-turns). The later
+# turns' features are stored by a job beside fit (fit --stored-only picks each shard up as it
+# lands, every 500 steps); both jobs use one core each. Resumable: run it again with the same RUN.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+BUDGET_S=${BUDGET_S:-7200}   # wall-time budget; warm-up, cosine and λ follow it
+RUN=${RUN:-runs/turns}
+INIT=${INIT:-models/smollm2-135m-domino}
+LR=${LR:-3e-4}
+FIRST=data/smollm2-135m-instruct
+TURNS=data/smollm2-135m-instruct-turns
+TAPS=4,15,28
+export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+mkdir -p "$RUN"
+$PY -m train features --data $FIRST --taps $TAPS --threads 1   # already stored: a quick check
+$PY -m train features --data $TURNS --taps $TAPS --threads 1 >> "$RUN/features.log" 2>&1 &
+features=$!
+$PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-size 4 \
+  --batch-seqs 1 --anchors 32 --lr "$LR" --base-loss-until 0.1 --threads 1 --save-every 500 \
+  --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2000 \
+  --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
+wait $features
+$PY -m train eval --drafter "$RUN/drafter" --modes domino,dflash --slice test --json "$RUN/drafter/eval.json"
+echo "compare $RUN/drafter/eval.json with models/smollm2-135m-domino/eval.json; copy if better"
