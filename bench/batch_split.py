@@ -16,7 +16,6 @@ draft of the block, no copies).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from bench import save_result
 from model.checkpoint import load_drafter
 from model.drafter import Drafter
 from model.engine import Engine
@@ -186,12 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "settings": rows,
         "config": {**{k: v for k, v in vars(args).items() if k != "json"}, "threads": torch.get_num_threads()},
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    table = report(rows)
-    path.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    save_result(result, args.json, report(rows))
     return result
 
 

@@ -11,13 +11,12 @@ reports a low quantile per cell: interference on a shared machine only ever adds
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import save_result
 from model.loading import DEFAULT_TARGET, DTYPES, cpu_has_native_bf16, load_target
 from model.target import TargetModel
 
@@ -85,12 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "torch": torch.__version__,
         },
     }
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    table = report(seconds)
-    path.with_suffix(".md").write_text(table + "\n")
-    print(table)
+    save_result(result, args.json, report(seconds))
     return result
 
 

@@ -180,13 +180,16 @@ def load_sharegpt_later_turns(
     excluded = set(exclude_conversations)
     conversations = _sharegpt_conversations()
     firsts = {first for first, _ in conversations}
-    seen = {turn for first, later in conversations if first in excluded for turn in later}  # never used
+    held_out_text = {turn for first, later in conversations if first in excluded for turn in later}
+    seen: set[str] = set()
     prompts = []
     for first, later in conversations:
         if first in excluded:
             continue
         for turn in later:
-            if min_chars <= len(turn) <= max_chars and turn not in firsts and turn not in seen:
+            if not min_chars <= len(turn) <= max_chars or turn in firsts or turn in held_out_text:
+                continue
+            if turn not in seen:
                 seen.add(turn)
                 prompts.append(turn)
     return sorted(prompts, key=lambda p: _split_key(seed, p))
