@@ -88,5 +88,9 @@ def test_no_5xx_and_openai_shaped_errors(api_schema: Any, method: str, path: str
 
 def test_server_healthy_after_fuzzing(fuzz_server: ServerProcess) -> None:
     assert httpx.get(fuzz_server.url + "/health", timeout=10).status_code == 200
-    r = httpx.post(fuzz_server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=30)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    # ignore_eos: the request samples (T = 1) from a random 800-token model, which draws EOS within
+    # 4 tokens about once in 200 runs; the check is that the server still generates, not where it stops.
+    body = {"prompt": [5, 6], "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(fuzz_server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4 and r.json()["choices"][0]["finish_reason"] == "length"
