@@ -5,25 +5,39 @@
 # STAGE2_STEPS > 0 then trains both on from their stage-1 drafters, again with one recipe for both
 # (fresh warm-up and cosine, seed 1 for a new anchor order, λ at 0 after 10 % for the trained head),
 # so the pair stays like for like at twice the budget.
+# Round 10 ran it on all stored data at block 4 with soft labels, both fits at once, one core each:
+#   DATA=data/smollm2-135m-instruct,data/smollm2-135m-instruct-turns SHARDS= BLOCK=4 DISTILL=0.5 \
+#   STEPS=26000 PARALLEL=1 OUT=runs/pair10 bash scripts/train_pair.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-SHARDS=${SHARDS:-0,1}
+SHARDS=${SHARDS-0,1}          # empty: every shard whose features are stored
 STEPS=${STEPS:-8000}            # x 32 blocks per step
 STAGE2_STEPS=${STAGE2_STEPS:-0}
 OUT=${OUT:-runs/pair}
-DATA=data/smollm2-135m-instruct
+DATA=${DATA:-data/smollm2-135m-instruct}   # comma-separated gen directories
+BLOCK=${BLOCK:-8}
+DISTILL=${DISTILL:-0}         # weight of the target's stored top-k soft labels
+PARALLEL=${PARALLEL:-0}       # 1: the two fits at once, one core each
 TAPS=4,15,28
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 mkdir -p "$OUT"
-$PY -m train features --data $DATA --taps $TAPS --shards "$SHARDS" --threads 1
-common=(--data $DATA --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-size 8 --gru-size 256 --rank 64
-        --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --threads 1 --save-every 500
-        --steps "$STEPS" --eval-every 2000 --seed 0)
+if [ -n "$SHARDS" ]; then
+  $PY -m train features --data "$DATA" --taps $TAPS --shards "$SHARDS" --threads 1
+fi
+common=(--data "$DATA" --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-size "$BLOCK" --gru-size 256
+        --rank 64 --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --distill "$DISTILL" --threads 1
+        --save-every 500 --steps "$STEPS" --eval-every 2000 --seed 0)
 # A stage whose eval.json exists is done and skipped.
 if [ ! -f "$OUT/dflash/eval.json" ]; then
-  $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" > "$OUT/domino.log" 2>&1
-  $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" > "$OUT/dflash.log" 2>&1
+  if [ "$PARALLEL" = 1 ]; then
+    $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1 &
+    $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" >> "$OUT/dflash.log" 2>&1
+    wait
+  else
+    $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1
+    $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" >> "$OUT/dflash.log" 2>&1
+  fi
   $PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1
   $PY -m train eval --drafter "$OUT/dflash" --modes dflash --slice test --json "$OUT/dflash/eval.json" > "$OUT/eval-dflash.log" 2>&1
 fi
