@@ -11,7 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-SHARDS=${SHARDS-0,1}          # empty: every shard whose features are stored
+SHARDS=${SHARDS-0,1}          # empty: every shard whose features are stored (store none while the
+                              # pair trains: fit --stored-only picks new shards up, unlike for like)
 STEPS=${STEPS:-8000}            # x 32 blocks per step
 STAGE2_STEPS=${STAGE2_STEPS:-0}
 OUT=${OUT:-runs/pair}
