@@ -97,7 +97,7 @@ def _features_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--taps", required=True, help="comma-separated target layer ids")
     s.add_argument("--features-dir", default=None, help="default: ~/.cache/domino-serve/features/<data dir name>")
     s.add_argument("--topk", type=int, default=16)
-    s.add_argument("--shards", default=None, help="comma-separated shard indices (default: all)")
+    s.add_argument("--shards", default=None, help="comma-separated shard numbers, as in shard-00060 (default: all)")
     s.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     # bf16 on a CPU with AVX512-BF16 runs the target 2.7x faster than fp32 (measured on the 2-core
     # dev machine); the stored copies are fp16 either way.

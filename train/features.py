@@ -182,11 +182,15 @@ def store_features(
 ) -> list[Path]:
     """Store the features of every gen shard in `data_dir` (or the listed shard indices) under
     `root`; shards already stored are skipped, so an interrupted run resumes. Checks free disk first."""
-    from train.shards import read_shard, shard_paths
+    from train.shards import read_shard, shard_path, shard_paths
 
     paths = shard_paths(data_dir)
     if shards is not None:
-        paths = [paths[i] for i in shards]
+        # Shard numbers, not positions in the listing: gen can leave gaps (shards 0-25, then 60).
+        paths = [shard_path(data_dir, i) for i in shards]
+        missing = [p.name for p in paths if not p.exists()]
+        if missing:
+            raise FileNotFoundError(f"no such gen shard in {data_dir}: {', '.join(missing)}")
     todo = [(p, read_shard(p)) for p in paths if not (shard_features_dir(root, p, taps) / "meta.json").exists()]
     positions = sum(len(s["prompt"]) + len(s["answer"]) for _, samples in todo for s in samples)
     check_disk(root, bytes_needed(positions, len(taps) * target.hidden_size, topk))

@@ -382,3 +382,23 @@ def test_bf16_autocast_step_tracks_fp32() -> None:
         assert cos > 0.98, (name, float(cos))
     assert amp_enabled("off", "cpu") is False and amp_enabled("bf16", "cpu") is True
     assert amp_enabled("auto", "cpu") is cpu_has_native_bf16()
+
+
+def test_features_select_shards_by_number_across_gaps(tmp_path: Path) -> None:
+    """`features --shards 60` stores shard-00060 even when shards 1-59 were never generated."""
+    import gzip
+
+    from train.features import store_features
+
+    target = TargetModel(tiny_target())
+    data = tmp_path / "data"
+    data.mkdir()
+    for index in (0, 60):
+        with gzip.open(data / f"shard-{index:05d}.jsonl.gz", "wt") as f:
+            f.write(json.dumps({"i": index, "prompt": [1, 2, 3], "answer": [4, 5, 6, 7]}) + "\n")
+    root = tmp_path / "features"
+    store_features(target, data, root, [2], topk=4, shards=[60])
+    stored = sorted(p.name for p in root.iterdir())
+    assert stored == ["shard-00060.taps-2"], stored
+    with pytest.raises(FileNotFoundError, match="shard-00007"):
+        store_features(target, data, root, [2], topk=4, shards=[7])
