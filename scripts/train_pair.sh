@@ -31,14 +31,13 @@ common=(--data "$DATA" --stored-only --taps $TAPS --no-qk-norm --layers 1 --bloc
         --save-every 500 --steps "$STEPS" --eval-every 2000 --seed 0)
 # A stage whose eval.json exists is done and skipped.
 if [ ! -f "$OUT/dflash/eval.json" ]; then
-  if [ "$PARALLEL" = 1 ]; then
-    $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1 &
-    $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" >> "$OUT/dflash.log" 2>&1
-    wait
-  else
-    $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1
-    $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" >> "$OUT/dflash.log" 2>&1
-  fi
+  # Domino in the background; without PARALLEL it is waited for before DFlash starts. Either way a
+  # failed fit stops the script (wait returns its status).
+  $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1 &
+  domino=$!
+  [ "$PARALLEL" = 1 ] || wait $domino
+  $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" >> "$OUT/dflash.log" 2>&1
+  [ "$PARALLEL" != 1 ] || wait $domino
   $PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1
   $PY -m train eval --drafter "$OUT/dflash" --modes dflash --slice test --json "$OUT/dflash/eval.json" > "$OUT/eval-dflash.log" 2>&1
 fi

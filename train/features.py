@@ -180,12 +180,13 @@ def store_features(
     shards: list[int] | None = None,
     target_name: str = "",
 ) -> list[Path]:
-    """Store the features of every gen shard in `data_dir` (or the listed shard indices) under
+    """Store the features of every gen shard in `data_dir` (or the listed shard numbers) under
     `root`; shards already stored are skipped, so an interrupted run resumes. Checks free disk first."""
     from train.shards import read_shard, shard_path, shard_paths
 
-    paths = shard_paths(data_dir)
-    if shards is not None:
+    if shards is None:
+        paths = shard_paths(data_dir)
+    else:
         # Shard numbers, not positions in the listing: gen can leave gaps (shards 0-25, then 60).
         paths = [shard_path(data_dir, i) for i in shards]
         missing = [p.name for p in paths if not p.exists()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import random
 import shutil
@@ -19,7 +20,7 @@ from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from train.cli import main
 from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
-from train.features import ShardFeatures, compute_features, shard_features_dir
+from train.features import ShardFeatures, compute_features, shard_features_dir, store_features
 from train.fit import amp_enabled
 from train.init import rebuild_draft_vocab
 from train.loss import (
@@ -31,7 +32,7 @@ from train.loss import (
     training_loss,
     training_progress,
 )
-from train.shards import read_shard, shard_paths
+from train.shards import read_shard, shard_path, shard_paths
 
 
 def test_schedules() -> None:
@@ -386,15 +387,11 @@ def test_bf16_autocast_step_tracks_fp32() -> None:
 
 def test_features_select_shards_by_number_across_gaps(tmp_path: Path) -> None:
     """`features --shards 60` stores shard-00060 even when shards 1-59 were never generated."""
-    import gzip
-
-    from train.features import store_features
-
     target = TargetModel(tiny_target())
     data = tmp_path / "data"
     data.mkdir()
     for index in (0, 60):
-        with gzip.open(data / f"shard-{index:05d}.jsonl.gz", "wt") as f:
+        with gzip.open(shard_path(data, index), "wt") as f:
             f.write(json.dumps({"i": index, "prompt": [1, 2, 3], "answer": [4, 5, 6, 7]}) + "\n")
     root = tmp_path / "features"
     store_features(target, data, root, [2], topk=4, shards=[60])
