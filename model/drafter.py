@@ -476,10 +476,15 @@ class Drafter(nn.Module):
         )
 
 
+def head_parameters(drafter: Drafter) -> list[nn.Parameter]:
+    """The Domino head's parameters (GRU and low-rank correction); none for a DFlash drafter."""
+    if not drafter.config.has_head:
+        return []
+    return [*drafter.prefix_gru.parameters(), *drafter.embed_proj.parameters()]
+
+
 def count_parameters(drafter: Drafter) -> dict[str, int]:
     """Parameter counts of the backbone and the head (target embedding/LM head excluded)."""
-    head = 0
-    if drafter.config.has_head:
-        head = sum(p.numel() for m in (drafter.prefix_gru, drafter.embed_proj) for p in m.parameters())
+    head = sum(p.numel() for p in head_parameters(drafter))
     total = sum(p.numel() for p in drafter.parameters())
     return {"backbone": total - head, "head": head, "total": total}

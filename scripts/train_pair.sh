@@ -8,6 +8,9 @@
 # Round 10 ran it on all stored data at block 4 with soft labels, both fits at once, one core each:
 #   DATA=data/smollm2-135m-instruct,data/smollm2-135m-instruct-turns SHARDS= BLOCK=4 DISTILL=0.5 \
 #   STEPS=26000 PARALLEL=1 OUT=runs/pair10 bash scripts/train_pair.sh
+# Round 11 trained the Domino side again with DETACH=1 (fit --detach-head) on round 10's 23 shards
+# (FEATURES_DIR: a directory of links to just those), reusing round 10's DFlash run as $OUT/dflash;
+# that run has the same data, steps and seed, and DETACH leaves the backbone DFlash's gradient.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,6 +23,8 @@ DATA=${DATA:-data/smollm2-135m-instruct}   # comma-separated gen directories
 BLOCK=${BLOCK:-8}
 DISTILL=${DISTILL:-0}         # weight of the target's stored top-k soft labels
 PARALLEL=${PARALLEL:-0}       # 1: the two fits at once, one core each
+DETACH=${DETACH:-0}           # 1: the Domino head trains on a detached backbone (fit --detach-head)
+FEATURES_DIR=${FEATURES_DIR:-}  # default: fit's (~/.cache/domino-serve/features)
 TAPS=4,15,28
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 mkdir -p "$OUT"
@@ -29,18 +34,24 @@ fi
 common=(--data "$DATA" --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-size "$BLOCK" --gru-size 256
         --rank 64 --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --distill "$DISTILL" --threads 1
         --save-every 500 --steps "$STEPS" --eval-every 2000 --seed 0)
-# A stage whose eval.json exists is done and skipped.
-if [ ! -f "$OUT/dflash/eval.json" ]; then
+[ -z "$FEATURES_DIR" ] || common+=(--features-dir "$FEATURES_DIR")
+domino_args=()
+[ "$DETACH" != 1 ] || domino_args+=(--detach-head)
+# A run whose eval.json exists is done and skipped.
+domino=
+if [ ! -f "$OUT/domino/eval.json" ]; then
   # Domino in the background; without PARALLEL it is waited for before DFlash starts. Either way a
   # failed fit stops the script (wait returns its status).
-  $PY -m train fit "${common[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1 &
+  ( $PY -m train fit "${common[@]}" "${domino_args[@]}" --out "$OUT/domino" --run-dir "$OUT/domino-run" >> "$OUT/domino.log" 2>&1 &&
+    $PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1 ) &
   domino=$!
   [ "$PARALLEL" = 1 ] || wait $domino
+fi
+if [ ! -f "$OUT/dflash/eval.json" ]; then
   $PY -m train fit "${common[@]}" --no-head --out "$OUT/dflash" --run-dir "$OUT/dflash-run" >> "$OUT/dflash.log" 2>&1
-  [ "$PARALLEL" != 1 ] || wait $domino
-  $PY -m train eval --drafter "$OUT/domino" --modes domino,dflash --slice test --json "$OUT/domino/eval.json" > "$OUT/eval-domino.log" 2>&1
   $PY -m train eval --drafter "$OUT/dflash" --modes dflash --slice test --json "$OUT/dflash/eval.json" > "$OUT/eval-dflash.log" 2>&1
 fi
+[ -z "$domino" ] || [ "$PARALLEL" != 1 ] || wait $domino
 
 if [ "$STAGE2_STEPS" -gt 0 ] && [ ! -f "$OUT/dflash2/eval.json" ]; then
   stage2=(--data $DATA --stored-only --threads 1 --batch-seqs 1 --anchors 32 --lr 6e-4 --save-every 500

@@ -121,6 +121,12 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--restart", action="store_true", help="ignore a saved state in --run-dir")
     f.add_argument("--init-from", default=None, help="start from an existing drafter checkpoint")
     f.add_argument("--no-head", action="store_true", help="train the plain DFlash baseline (no Domino head)")
+    f.add_argument(
+        "--detach-head",
+        action="store_true",
+        help="train the head on a detached backbone (the backbone learns from the base loss alone, as "
+        "DFlash's does; λ unused)",
+    )
     f.add_argument("--layers", type=int, default=1)
     f.add_argument(
         "--block-size",

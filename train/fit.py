@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from model.checkpoint import load_drafter, save_drafter
-from model.drafter import Drafter, DrafterConfig
+from model.drafter import Drafter, DrafterConfig, head_parameters
 from model.loading import cpu_has_native_bf16, load_target, resolve_device
 from model.target import TargetModel
 from train.evaluate import offline_walk
@@ -227,6 +227,13 @@ def fit(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(
         [p for p in drafter.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
     )
+    detach_head = args.detach_head and cfg.has_head
+    # Gradients are clipped per part that has its own loss: detached, the backbone's step is then
+    # the one a DFlash fit would take, whatever the head's gradient norm.
+    head_ids = {id(p) for p in head_parameters(drafter)} if detach_head else set()
+    clip_groups = [[p for p in drafter.parameters() if id(p) not in head_ids]]
+    if detach_head:
+        clip_groups.append(head_parameters(drafter))
     step, elapsed, progress, best = 0, 0.0, 0.0, float("-inf")
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -281,7 +288,7 @@ def fit(args: argparse.Namespace) -> None:
         progress = max(progress, training_progress(step, args.steps, elapsed, args.time_budget_s))
         if progress >= 1.0:
             break
-        lam = lambda_schedule(progress, args.base_loss_until) if cfg.has_head else 1.0
+        lam = lambda_schedule(progress, args.base_loss_until) if cfg.has_head and not detach_head else 1.0
         lr = args.lr * lr_schedule(progress, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -290,10 +297,11 @@ def fit(args: argparse.Namespace) -> None:
         picked = [data.train[rng.randrange(len(data.train))] for _ in range(args.batch_seqs)]
         batch = sample_batch(data.load(picked, soft=args.distill > 0), args.anchors, rng, device)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-            out = training_loss(drafter, batch, lam, vocab_map, gamma, args.distill)
+            out = training_loss(drafter, batch, lam, vocab_map, gamma, args.distill, detach_head)
         optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip)
+        for group in clip_groups:
+            torch.nn.utils.clip_grad_norm_(group, args.clip)
         optimizer.step()
         step += 1
         elapsed = time.perf_counter() - t0
@@ -320,6 +328,7 @@ def fit(args: argparse.Namespace) -> None:
                 "best_val_tau": best,
                 "wall_s": elapsed,
                 "amp": "bf16" if amp else "off",
+                "detach_head": detach_head,
             },
             indent=2,
         )

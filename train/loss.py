@@ -110,8 +110,12 @@ def training_loss(
     vocab_map: torch.Tensor | None,
     gamma: float | None = None,
     distill: float = 0.0,
+    detach_head: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Loss of a batch from `sample_batch`: S sequences with M anchors each.
+
+    detach_head trains the head on a detached backbone: the backbone learns from CE(base) alone,
+    exactly as a DFlash drafter does, the head from CE(base + correction), and λ is unused.
 
     distill > 0 mixes each slot's hard-label cross-entropy with the cross-entropy against the
     target's stored top-k distribution (same positions): (1 - distill) * CE(label) + distill * CE(p_target).
@@ -179,11 +183,17 @@ def training_loss(
     final = base
     if cfg.has_head:
         gru_out, _ = drafter.prefix_gru(drafter.embed(truth.view(s * m, b)))
-        corrected = base + drafter.correction(hidden, gru_out.view(s, m, b, -1))
+        # Detached, the final loss reaches only the head's own parameters, so a plain sum gives each
+        # part exactly its own gradient.
+        under = (base.detach(), hidden.detach()) if detach_head else (base, hidden)
+        corrected = under[0] + drafter.correction(under[1], gru_out.view(s, m, b, -1))
         p = cfg.pure_draft_prefix_len
-        final = torch.cat([base[:, :, :p], corrected[:, :, p:]], dim=2)
+        final = torch.cat([under[0][:, :, :p], corrected[:, :, p:]], dim=2)
         out["final"] = ce(final)
-        out["loss"] = (1 - lam) * out["final"] + lam * out["base"]
+        if detach_head:
+            out["loss"] = out["final"] + out["base"]
+        else:
+            out["loss"] = (1 - lam) * out["final"] + lam * out["base"]
     else:
         out["final"] = out["base"]
         out["loss"] = out["base"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_drafter
-from model.drafter import DraftContextCache
+from model.drafter import DraftContextCache, head_parameters
 from model.loading import cpu_has_native_bf16
 from model.sampling import SamplingBatch
 from model.target import TargetModel
@@ -383,6 +383,33 @@ def test_bf16_autocast_step_tracks_fp32() -> None:
         assert cos > 0.98, (name, float(cos))
     assert amp_enabled("off", "cpu") is False and amp_enabled("bf16", "cpu") is True
     assert amp_enabled("auto", "cpu") is cpu_has_native_bf16()
+
+
+def test_detached_head_leaves_the_backbone_a_dflash_gradient() -> None:
+    """fit --detach-head: the backbone's gradient is exactly that of CE(base), as in a DFlash fit,
+    the head still learns, and without it the final loss does reach the backbone."""
+    torch.manual_seed(0)
+    drafter = tiny_drafter(std=0.3)
+    target = tiny_target()
+    drafter.bind_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    n, kh = 24, len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    batch = sample_batch([(torch.randint(3, 100, (n,)), torch.randn(n, kh), 5, None, None)], 8, random.Random(0))
+    head = {id(p) for p in head_parameters(drafter)}
+    assert head and len(head) < len(list(drafter.parameters()))
+
+    def grads(key: str, lam: float, detach: bool) -> dict[str, torch.Tensor]:
+        drafter.zero_grad(set_to_none=True)
+        training_loss(drafter, batch, lam, None, gamma=1.1, detach_head=detach)[key].backward()
+        return {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+
+    base_only = grads("base", 0.0, False)
+    detached = grads("loss", 0.0, True)
+    joint = grads("loss", 0.0, False)
+    backbone = [name for name, p in drafter.named_parameters() if id(p) not in head]
+    for name in backbone:
+        torch.testing.assert_close(detached[name], base_only[name], msg=name)
+    assert all(detached[name].abs().sum() > 0 for name, p in drafter.named_parameters() if id(p) in head)
+    assert any(not torch.allclose(joint[name], base_only[name]) for name in backbone)
 
 
 def test_features_select_shards_by_number_across_gaps(tmp_path: Path) -> None:
