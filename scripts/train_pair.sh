@@ -8,9 +8,9 @@
 # Round 10 ran it on all stored data at block 4 with soft labels, both fits at once, one core each:
 #   DATA=data/smollm2-135m-instruct,data/smollm2-135m-instruct-turns SHARDS= BLOCK=4 DISTILL=0.5 \
 #   STEPS=26000 PARALLEL=1 OUT=runs/pair10 bash scripts/train_pair.sh
-# Round 11 trained the Domino side again with DETACH=1 (fit --detach-head) on round 10's 23 shards
-# (FEATURES_DIR: a directory of links to just those), reusing round 10's DFlash run as $OUT/dflash;
-# that run has the same data, steps and seed, and DETACH leaves the backbone DFlash's gradient.
+# Round 11 trained the Domino side again on round 10's 23 shards (FEATURES_DIR: a directory of
+# links to just those), reusing round 10's DFlash run as $OUT/dflash (same data, steps and seed):
+# with DETACH=1 (fit --detach-head, the backbone keeps DFlash's gradient), and with RANK=256.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,6 +25,7 @@ DISTILL=${DISTILL:-0}         # weight of the target's stored top-k soft labels
 PARALLEL=${PARALLEL:-0}       # 1: the two fits at once, one core each
 DETACH=${DETACH:-0}           # 1: the Domino head trains on a detached backbone (fit --detach-head)
 FEATURES_DIR=${FEATURES_DIR:-}  # default: fit's (~/.cache/domino-serve/features)
+RANK=${RANK:-64}              # the head's correction rank (DFlash has no head)
 TAPS=4,15,28
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 mkdir -p "$OUT"
@@ -32,7 +33,7 @@ if [ -n "$SHARDS" ]; then
   $PY -m train features --data "$DATA" --taps $TAPS --shards "$SHARDS" --threads 1
 fi
 common=(--data "$DATA" --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-size "$BLOCK" --gru-size 256
-        --rank 64 --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --distill "$DISTILL" --threads 1
+        --rank "$RANK" --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --distill "$DISTILL" --threads 1
         --save-every 500 --steps "$STEPS" --eval-every 2000 --seed 0)
 [ -z "$FEATURES_DIR" ] || common+=(--features-dir "$FEATURES_DIR")
 domino_args=()
