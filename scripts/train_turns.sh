@@ -5,7 +5,7 @@
 # lands, every 500 steps); both jobs use one core each. Resumable: run it again with the same RUN.
 # Round 9 ran it twice, one per core: DISTILL=0 (hard labels, 6,600 s) and DISTILL=0.5 (the
 # target's stored top-16 mixed in, 4,470 s); the distilled one validated higher and is shipped.
-# Round 11 ran it on round 10's shipped drafter with all 33 stored shards (2.96M answer tokens):
+# Round 11 ran it on round 10's shipped drafter with all 36 stored shards (2.96M answer tokens):
 #   RUN=runs/turns11 GAMMA=1.1 BUDGET_S=5400 bash scripts/train_turns.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
