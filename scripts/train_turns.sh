@@ -7,6 +7,8 @@
 # target's stored top-16 mixed in, 4,470 s); the distilled one validated higher and is shipped.
 # Round 11 ran it on round 10's shipped drafter with all 36 stored shards (2.96M answer tokens):
 #   RUN=runs/turns11 GAMMA=1.1 BUDGET_S=5400 bash scripts/train_turns.sh
+# Round 12 widened round 11's head from rank 64 to 256 (output unchanged) and trained on:
+#   RUN=runs/turns12 GAMMA=1.1 RANK=256 BUDGET_S=5700 bash scripts/train_turns.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -16,6 +18,7 @@ INIT=${INIT:-models/smollm2-135m-domino}
 LR=${LR:-3e-4}
 DISTILL=${DISTILL:-0.5}   # weight of the soft labels (0: hard labels only)
 GAMMA=${GAMMA:-}          # per-slot loss decay; empty: fit's default (0.45·B)
+RANK=${RANK:-}            # widen INIT's head to this correction rank (fit --rank); empty: keep it
 FIRST=data/smollm2-135m-instruct
 TURNS=data/smollm2-135m-instruct-turns
 TAPS=4,15,28
@@ -27,7 +30,7 @@ features=$!
 $PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-size 4 \
   --batch-seqs 1 --anchors 32 --lr "$LR" --distill "$DISTILL" --base-loss-until 0.1 --threads 1 --save-every 500 \
   --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2000 \
-  ${GAMMA:+--gamma "$GAMMA"} --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
+  ${GAMMA:+--gamma "$GAMMA"} ${RANK:+--rank "$RANK"} --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
 wait $features
 $PY -m train eval --drafter "$RUN/drafter" --modes domino,dflash --slice test --json "$RUN/drafter/eval.json"
 echo "compare $RUN/drafter/eval.json with models/smollm2-135m-domino/eval.json; copy if better"

@@ -136,7 +136,13 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     )
     f.add_argument("--taps", default=None, help="comma-separated target layer ids (default: docs/design.md rule)")
     f.add_argument("--gru-size", type=int, default=256)
-    f.add_argument("--rank", type=int, default=64)
+    f.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the head's correction rank (default 64); with --init-from, widens that drafter's head "
+        "without changing its output",
+    )
     f.add_argument("--shift-label", action=argparse.BooleanOptionalAction, default=True)
     f.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True, help="per-head q/k RMSNorm")
     f.add_argument("--mask-token-id", type=int, default=None, help="default: a learned mask embedding")

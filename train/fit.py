@@ -29,7 +29,14 @@ from model.loading import cpu_has_native_bf16, load_target, resolve_device
 from model.target import TargetModel
 from train.evaluate import offline_walk
 from train.features import ShardFeatures, compute_features, default_features_root, shard_features_dir, store_features
-from train.init import draft_vocab_map, init_weights, make_drafter_config, rebuild_draft_vocab, warm_start
+from train.init import (
+    draft_vocab_map,
+    init_weights,
+    make_drafter_config,
+    rebuild_draft_vocab,
+    warm_start,
+    widen_head,
+)
 from train.loss import default_gamma, lambda_schedule, lr_schedule, sample_batch, training_loss, training_progress
 from train.shards import read_shard, shard_paths
 
@@ -158,6 +165,9 @@ def build_drafter(
         if args.block_size and args.block_size != drafter.config.block_size:
             log.info("re-blocking %s from %d to %d", args.init_from, drafter.config.block_size, args.block_size)
             drafter.config.block_size = args.block_size
+        if args.rank and args.rank != drafter.config.emb_dim:
+            log.info("widening %s's head from rank %d to %d", args.init_from, drafter.config.emb_dim, args.rank)
+            widen_head(drafter, args.rank)
     else:
         vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))
@@ -230,10 +240,11 @@ def fit(args: argparse.Namespace) -> None:
     detach_head = args.detach_head and cfg.has_head
     # Gradients are clipped per part that has its own loss: detached, the backbone's step is then
     # the one a DFlash fit would take, whatever the head's gradient norm.
-    head_ids = {id(p) for p in head_parameters(drafter)} if detach_head else set()
+    head = head_parameters(drafter) if detach_head else []
+    head_ids = {id(p) for p in head}
     clip_groups = [[p for p in drafter.parameters() if id(p) not in head_ids]]
-    if detach_head:
-        clip_groups.append(head_parameters(drafter))
+    if head:
+        clip_groups.append(head)
     step, elapsed, progress, best = 0, 0.0, 0.0, float("-inf")
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])

@@ -10,6 +10,7 @@ from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from model.target import TargetModel
 
 DEFAULT_BLOCK_SIZE = 8  # a new drafter's block when --block-size is not given
+DEFAULT_RANK = 64  # a new drafter's correction rank when --rank is not given
 
 
 def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
@@ -40,7 +41,7 @@ def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_voc
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 8192)),
         projector_type="domino" if head else None,
         gru_hidden_dim=args.gru_size,
-        emb_dim=args.rank,
+        emb_dim=args.rank or DEFAULT_RANK,
         shift_label=args.shift_label,
         draft_vocab_size=draft_vocab_size,
         use_mask_embedding=args.mask_token_id is None,
@@ -100,3 +101,30 @@ def draft_vocab_map(drafter: Drafter, target_vocab: int) -> torch.Tensor | None:
     vocab_map = torch.full((target_vocab,), -1, dtype=torch.long, device=drafter.draft_vocab_ids.device)
     vocab_map[drafter.draft_vocab_ids] = torch.arange(drafter.config.draft_vocab_size, device=vocab_map.device)
     return vocab_map
+
+
+def widen_head(drafter: Drafter, rank: int) -> None:
+    """Raise the head's correction rank in place without changing what the drafter computes.
+
+    The old W1 rows and W2 columns are kept. The new W1 rows start random and the new W2 columns
+    at zero, so the new units add nothing yet but receive a gradient at once (with both at zero
+    neither would ever move).
+    """
+    cfg = drafter.config
+    if not cfg.has_head:
+        raise ValueError("a DFlash drafter has no head to widen")
+    old = cfg.emb_dim
+    if rank < old:
+        raise ValueError(f"--rank {rank} is below the drafter's rank {old}; a head can only be widened")
+    if rank == old:
+        return
+    w1, w2 = drafter.embed_proj[0], drafter.embed_proj[2]
+    new_w1 = torch.nn.Linear(w1.in_features, rank, bias=False, dtype=w1.weight.dtype, device=w1.weight.device)
+    new_w2 = torch.nn.Linear(rank, w2.out_features, bias=False, dtype=w2.weight.dtype, device=w2.weight.device)
+    with torch.no_grad():
+        torch.nn.init.normal_(new_w1.weight, std=0.02)
+        new_w1.weight[:old] = w1.weight
+        new_w2.weight.zero_()
+        new_w2.weight[:, :old] = w2.weight
+    drafter.embed_proj[0], drafter.embed_proj[2] = new_w1, new_w2
+    cfg.emb_dim = rank

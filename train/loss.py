@@ -185,10 +185,10 @@ def training_loss(
         gru_out, _ = drafter.prefix_gru(drafter.embed(truth.view(s * m, b)))
         # Detached, the final loss reaches only the head's own parameters, so a plain sum gives each
         # part exactly its own gradient.
-        under = (base.detach(), hidden.detach()) if detach_head else (base, hidden)
-        corrected = under[0] + drafter.correction(under[1], gru_out.view(s, m, b, -1))
+        base_in, hidden_in = (base.detach(), hidden.detach()) if detach_head else (base, hidden)
+        corrected = base_in + drafter.correction(hidden_in, gru_out.view(s, m, b, -1))
         p = cfg.pure_draft_prefix_len
-        final = torch.cat([under[0][:, :, :p], corrected[:, :, p:]], dim=2)
+        final = torch.cat([base_in[:, :, :p], corrected[:, :, p:]], dim=2)
         out["final"] = ce(final)
         if detach_head:
             out["loss"] = out["final"] + out["base"]

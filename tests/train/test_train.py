@@ -22,7 +22,7 @@ from train.cli import main
 from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
 from train.features import ShardFeatures, compute_features, shard_features_dir, store_features
 from train.fit import amp_enabled
-from train.init import rebuild_draft_vocab
+from train.init import rebuild_draft_vocab, widen_head
 from train.loss import (
     default_gamma,
     lambda_schedule,
@@ -410,6 +410,29 @@ def test_detached_head_leaves_the_backbone_a_dflash_gradient() -> None:
         torch.testing.assert_close(detached[name], base_only[name], msg=name)
     assert all(detached[name].abs().sum() > 0 for name, p in drafter.named_parameters() if id(p) in head)
     assert any(not torch.allclose(joint[name], base_only[name]) for name in backbone)
+
+
+def test_widening_the_head_keeps_its_output_and_lets_the_new_rank_learn() -> None:
+    """fit --init-from D --rank R: the widened drafter computes exactly what D did, and the new
+    correction units get a gradient at once (zero W1 rows and zero W2 columns would never move)."""
+    torch.manual_seed(0)
+    drafter = tiny_drafter(std=0.3)
+    target = tiny_target()
+    drafter.bind_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
+    n, kh = 24, len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    batch = sample_batch([(torch.randint(3, 100, (n,)), torch.randn(n, kh), 5, None, None)], 8, random.Random(0))
+    old_rank = drafter.config.emb_dim
+    with torch.no_grad():
+        before = training_loss(drafter, batch, 0.5, None, gamma=1.1)["final_logits"]
+    widen_head(drafter, 4 * old_rank)
+    assert drafter.config.emb_dim == 4 * old_rank
+    assert drafter.embed_proj[0].weight.shape[0] == drafter.embed_proj[2].weight.shape[1] == 4 * old_rank
+    out = training_loss(drafter, batch, 0.5, None, gamma=1.1)
+    torch.testing.assert_close(out["final_logits"], before, rtol=1e-5, atol=1e-5)  # summation order only
+    out["loss"].backward()
+    assert drafter.embed_proj[2].weight.grad[:, old_rank:].abs().sum() > 0
+    with pytest.raises(ValueError, match="only be widened"):
+        widen_head(drafter, old_rank)
 
 
 def test_features_select_shards_by_number_across_gaps(tmp_path: Path) -> None:
