@@ -2,6 +2,7 @@
 
     python -m bench.load --concurrency 1,4,8,16 --requests 64 --max-tokens 256 --label domino
     python -m bench.load --compare bench/results/domino.json,bench/results/ar.json --json bench/results/cmp.json
+    python -m bench.load --repetitions bench/results/cmp_1.json,bench/results/cmp_2.json --json bench/results/reps.json
 
 Each level runs `--requests` streaming requests (`stream: true`, `stream_options.include_usage`)
 through a pool of `concurrency` workers, cycling over the prompts of `--prompts` (JSONL lines
@@ -23,6 +24,9 @@ steps) / verify steps, summed over requests; 1.00 under `DOMINO_MODE=ar`, none w
 `spec_decode`), and errors. Results go to `--json`, with a Markdown table (`.md`) and plots
 (`_throughput.png`, `_latency.png`) beside it. `--compare A.json,B.json` writes JSON, Markdown and a
 `_throughput.png` for two runs side by side (A / B ratio of output tokens/s per level).
+`--repetitions C1.json,C2.json,...` summarises several such comparisons of the same two servers run
+alternately (ABAB): per level, each repetition's ratio, their median and range, and the ratio of the
+mean throughputs, so that one lucky or unlucky repetition does not decide.
 
 Only loopback servers are accepted (127.0.0.0/8, ::1, localhost): this tool generates load.
 """
@@ -513,6 +517,61 @@ def write_compare_reports(result: dict[str, Any], json_path: Path) -> None:
     plt.close(fig)
 
 
+def summarize_repetitions(paths: list[Path]) -> dict[str, Any]:
+    """Per concurrency level over several `--compare` results of the same A and B: each
+    repetition's A / B ratio and τ of A, the median ratio and range, and mean(A) / mean(B)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    common = sorted(set.intersection(*(set(r["levels"]) for r in runs)), key=int)
+    levels = {}
+    for c in common:
+        per = [r["levels"][c] for r in runs]
+        ratios = [lv["output_tokens_per_s_ratio"] for lv in per]
+        known = sorted(x for x in ratios if x is not None)
+        mean_a = sum(lv["a_output_tokens_per_s"] for lv in per) / len(per)
+        mean_b = sum(lv["b_output_tokens_per_s"] for lv in per) / len(per)
+        levels[c] = {
+            "concurrency": int(c),
+            "ratios": ratios,
+            "ratio_median": quantile(known, 0.5) if known else None,
+            "ratio_min": known[0] if known else None,
+            "ratio_max": known[-1] if known else None,
+            "mean_a_output_tokens_per_s": mean_a,
+            "mean_b_output_tokens_per_s": mean_b,
+            "ratio_of_means": mean_a / mean_b if mean_b > 0 else None,
+            "a_mean_acceptance_length": [lv["a_mean_acceptance_length"] for lv in per],
+            "errors": sum(lv["a_errors"] + lv["b_errors"] for lv in per),
+        }
+    return {
+        "a": runs[0]["a"]["label"],
+        "b": runs[0]["b"]["label"],
+        "repetitions": [str(p) for p in paths],
+        "levels": levels,
+    }
+
+
+def write_repetition_reports(result: dict[str, Any], json_path: Path) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    na, nb, n = result["a"], result["b"], len(result["repetitions"])
+    lines = [
+        f"`{na}` / `{nb}` output tokens/s over {n} alternating repetitions ({', '.join(result['repetitions'])}).",
+        "",
+        f"| concurrency | per repetition | median | range | mean {na} / mean {nb} tok/s | ratio of means | "
+        f"τ {na} per repetition | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for lv in sorted(result["levels"].values(), key=lambda lv: lv["concurrency"]):
+        per = ", ".join(f"{_num(x)}×" for x in lv["ratios"])
+        taus = ", ".join(_num(x) for x in lv["a_mean_acceptance_length"])
+        lines.append(
+            f"| {lv['concurrency']} | {per} | {_num(lv['ratio_median'])}× | "
+            f"{_num(lv['ratio_min'])}–{_num(lv['ratio_max'])}× | "
+            f"{lv['mean_a_output_tokens_per_s']:.1f} / {lv['mean_b_output_tokens_per_s']:.1f} | "
+            f"{_num(lv['ratio_of_means'])}× | {taus} | {lv['errors']} |"
+        )
+    json_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench.load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -534,6 +593,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", default="", help="free text stored in the JSON, e.g. the server's DOMINO_MODE")
     p.add_argument("--json", type=Path, default=None, help=f"output (default {DEFAULT_JSON}, {DEFAULT_COMPARE_JSON})")
     p.add_argument("--compare", default=None, metavar="A.json,B.json", help="compare two runs instead of running")
+    p.add_argument(
+        "--repetitions",
+        default=None,
+        metavar="C1.json,C2.json,...",
+        help="summarise several --compare results of the same two servers instead of running",
+    )
     return p
 
 
@@ -548,6 +613,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out = args.json or Path(DEFAULT_COMPARE_JSON)
         write_compare_reports(result, out)
         print(out.with_suffix(".md").read_text())
+        return result
+    if args.repetitions:
+        paths = [Path(x) for x in args.repetitions.split(",") if x.strip()]
+        if not paths or args.json is None:
+            parser.error("--repetitions takes one or more --compare results and needs --json")
+        result = summarize_repetitions(paths)
+        write_repetition_reports(result, args.json)
+        print(args.json.with_suffix(".md").read_text())
         return result
     try:
         url = check_loopback_url(args.url)

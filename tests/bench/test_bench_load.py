@@ -126,3 +126,21 @@ def test_load_run_and_compare(server: ServerProcess, tmp_path: Path) -> None:
     assert json.loads(cmp_out.read_text())["levels"]["4"]["output_tokens_per_s_ratio"] == pytest.approx(2.0)
     assert "2.00×" in cmp_out.with_suffix(".md").read_text()
     assert (tmp_path / "cmp" / "domino_vs_ar_throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+    # A second repetition where A ran at 4/3 of B's throughput: median ratio (2 + 4/3) / 2, range
+    # 4/3–2, and the ratio of the mean throughputs.
+    rep2 = json.loads(cmp_out.read_text())
+    for level in rep2["levels"].values():
+        level["b_output_tokens_per_s"] = level["a_output_tokens_per_s"] * 0.75
+        level["output_tokens_per_s_ratio"] = 4 / 3
+    rep2_path = tmp_path / "cmp" / "rep2.json"
+    rep2_path.write_text(json.dumps(rep2))
+    reps_out = tmp_path / "cmp" / "reps.json"
+    reps = main(["--repetitions", f"{cmp_out},{rep2_path}", "--json", str(reps_out)])
+    level = reps["levels"]["4"]
+    assert level["ratios"] == pytest.approx([2.0, 4 / 3])
+    assert level["ratio_median"] == pytest.approx(5 / 3)
+    assert (level["ratio_min"], level["ratio_max"]) == pytest.approx((4 / 3, 2.0))
+    a = cmp["levels"]["4"]["a_output_tokens_per_s"]
+    assert level["ratio_of_means"] == pytest.approx(a / ((a / 2 + 0.75 * a) / 2))
+    assert "1.67×" in reps_out.with_suffix(".md").read_text()
