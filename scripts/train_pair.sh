@@ -11,6 +11,7 @@
 # Round 11 trained the Domino side again on round 10's 23 shards (FEATURES_DIR: a directory of
 # links to just those), reusing round 10's DFlash run as $OUT/dflash (same data, steps and seed):
 # with DETACH=1 (fit --detach-head, the backbone keeps DFlash's gradient), and with RANK=256.
+# Round 12: the same with RANK=512 (OUT=runs/pair12r5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
