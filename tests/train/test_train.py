@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_drafter
-from model.drafter import DraftContextCache, head_parameters
+from model.drafter import DraftContextCache, Drafter, head_parameters
 from model.loading import cpu_has_native_bf16
 from model.sampling import SamplingBatch
 from model.target import TargetModel
@@ -385,15 +385,21 @@ def test_bf16_autocast_step_tracks_fp32() -> None:
     assert amp_enabled("auto", "cpu") is cpu_has_native_bf16()
 
 
-def test_detached_head_leaves_the_backbone_a_dflash_gradient() -> None:
-    """fit --detach-head: the backbone's gradient is exactly that of CE(base), as in a DFlash fit,
-    the head still learns, and without it the final loss does reach the backbone."""
+def _bound_drafter_and_batch() -> tuple[Drafter, dict[str, torch.Tensor]]:
+    """A tiny Domino drafter bound to a tiny target, and one training batch of 8 blocks."""
     torch.manual_seed(0)
     drafter = tiny_drafter(std=0.3)
     target = tiny_target()
     drafter.bind_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
     n, kh = 24, len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     batch = sample_batch([(torch.randint(3, 100, (n,)), torch.randn(n, kh), 5, None, None)], 8, random.Random(0))
+    return drafter, batch
+
+
+def test_detached_head_leaves_the_backbone_a_dflash_gradient() -> None:
+    """fit --detach-head: the backbone's gradient is exactly that of CE(base), as in a DFlash fit,
+    the head still learns, and without it the final loss does reach the backbone."""
+    drafter, batch = _bound_drafter_and_batch()
     head = {id(p) for p in head_parameters(drafter)}
     assert head and len(head) < len(list(drafter.parameters()))
 
@@ -415,12 +421,7 @@ def test_detached_head_leaves_the_backbone_a_dflash_gradient() -> None:
 def test_widening_the_head_keeps_its_output_and_lets_the_new_rank_learn() -> None:
     """fit --init-from D --rank R: the widened drafter computes exactly what D did, and the new
     correction units get a gradient at once (zero W1 rows and zero W2 columns would never move)."""
-    torch.manual_seed(0)
-    drafter = tiny_drafter(std=0.3)
-    target = tiny_target()
-    drafter.bind_target(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
-    n, kh = 24, len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    batch = sample_batch([(torch.randint(3, 100, (n,)), torch.randn(n, kh), 5, None, None)], 8, random.Random(0))
+    drafter, batch = _bound_drafter_and_batch()
     old_rank = drafter.config.emb_dim
     with torch.no_grad():
         before = training_loss(drafter, batch, 0.5, None, gamma=1.1)["final_logits"]
