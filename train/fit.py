@@ -167,7 +167,10 @@ def build_drafter(
             drafter.config.block_size = args.block_size
         if args.rank and args.rank != drafter.config.emb_dim:
             log.info("widening %s's head from rank %d to %d", args.init_from, drafter.config.emb_dim, args.rank)
-            widen_head(drafter, args.rank)
+            try:
+                widen_head(drafter, args.rank)
+            except ValueError as e:  # a misuse of --rank: one line, like fit's other data errors
+                raise SystemExit(f"--init-from {args.init_from}: {e}") from None
     else:
         vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))

@@ -245,6 +245,11 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     before, after = load_drafter(trained), load_drafter(reblocked)
     assert (before.config.block_size, after.config.block_size) == (4, 2)
     torch.testing.assert_close(after.fc.weight, before.fc.weight)
+    # A head can only be widened: a smaller --rank is a one-line error, not a traceback.
+    rank = common.index("--rank") + 1
+    narrower = [*common[:rank], "8", *common[rank + 1 :], "--init-from", str(trained), "--stop-after", "0"]
+    with pytest.raises(SystemExit, match="only be widened"):
+        main([*narrower, "--out", str(tmp_path / "narrow"), "--run-dir", str(tmp_path / "run-narrow")])
     # Several gen directories train together; validation stays the first one's.
     more = tmp_path / "more"
     more.mkdir()
