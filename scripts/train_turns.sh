@@ -9,6 +9,8 @@
 #   RUN=runs/turns11 GAMMA=1.1 BUDGET_S=5400 bash scripts/train_turns.sh
 # Round 12 widened round 11's head from rank 64 to 256 (output unchanged) and trained on:
 #   RUN=runs/turns12 GAMMA=1.1 RANK=256 BUDGET_S=5700 bash scripts/train_turns.sh
+# On a fresh machine no features are stored (~2.3 min per shard per core): FEATURE_JOBS=2 stores
+# them two at a time, the first-turn ones before fit starts, the later turns beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -19,13 +21,26 @@ LR=${LR:-3e-4}
 DISTILL=${DISTILL:-0.5}   # weight of the soft labels (0: hard labels only)
 GAMMA=${GAMMA:-}          # per-slot loss decay; empty: fit's default (0.45·B)
 RANK=${RANK:-}            # widen INIT's head to this correction rank (fit --rank); empty: keep it
+FEATURE_JOBS=${FEATURE_JOBS:-1}  # features jobs (one core each); 2 on a fresh machine's 2 cores
 FIRST=data/smollm2-135m-instruct
 TURNS=data/smollm2-135m-instruct-turns
 TAPS=4,15,28
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 mkdir -p "$RUN"
-$PY -m train features --data $FIRST --taps $TAPS --threads 1   # already stored: a quick check
-$PY -m train features --data $TURNS --taps $TAPS --threads 1 >> "$RUN/features.log" 2>&1 &
+# Stores DIR's features in $2 jobs, job j taking every $2-th shard from the j-th (one core each).
+features_jobs() {
+  local dir=$1 jobs=$2 j
+  local nums=($(ls "$dir" | sed -n 's/^shard-0*\([0-9][0-9]*\)\.jsonl\.gz$/\1/p'))
+  for ((j = 0; j < jobs; j++)); do
+    local mine=()
+    for ((k = j; k < ${#nums[@]}; k += jobs)); do mine+=("${nums[k]}"); done
+    [ ${#mine[@]} -eq 0 ] || $PY -m train features --data "$dir" --taps $TAPS --threads 1 \
+      --shards "$(IFS=,; echo "${mine[*]}")" >> "$RUN/features.log" 2>&1 &
+  done
+  wait
+}
+features_jobs $FIRST "$FEATURE_JOBS"   # already stored: a quick check
+features_jobs $TURNS "$FEATURE_JOBS" &
 features=$!
 $PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-size 4 \
   --batch-seqs 1 --anchors 32 --lr "$LR" --distill "$DISTILL" --base-loss-until 0.1 --threads 1 --save-every 500 \
