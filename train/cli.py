@@ -80,6 +80,7 @@ def _gen_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--shard-size", type=int, default=64)
     g.add_argument("--first-shard", type=int, default=0)
+    g.add_argument("--last-shard", type=int, default=None, help="stop after this shard (default: the last)")
     g.add_argument("--limit", type=int, default=None, help="use only the first N train prompts")
     g.add_argument("--heldout", type=int, default=200)
     g.add_argument("--max-prompt-tokens", type=int, default=384)

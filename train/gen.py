@@ -54,7 +54,8 @@ def gen(args: argparse.Namespace) -> None:
     )
     total = min(len(prompts), args.limit or len(prompts))
     num_shards = math.ceil(total / args.shard_size)
-    todo = [k for k in range(args.first_shard, num_shards) if not shard_path(out, k).exists()]
+    last = num_shards - 1 if args.last_shard is None else min(args.last_shard, num_shards - 1)
+    todo = [k for k in range(args.first_shard, last + 1) if not shard_path(out, k).exists()]
     log.info("%d train prompts, %d shards of %d, %d to do", len(prompts), num_shards, args.shard_size, len(todo))
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
@@ -68,6 +69,9 @@ def gen(args: argparse.Namespace) -> None:
         if args.time_budget_s and t0 - started + last_shard_s > args.time_budget_s:
             log.info("time budget reached: stopping before shard %d (rerun to resume)", k)
             break
+        if shard_path(out, k).exists():  # written meanwhile by another gen job on this directory
+            bar.update(shard_prompts(k))
+            continue
         batch = []
         for i in range(k * args.shard_size, min((k + 1) * args.shard_size, total)):
             ids = prompts[i] if args.prompts else chat_prompt_ids(tokenizer, [{"role": "user", "content": prompts[i]}])

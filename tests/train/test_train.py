@@ -147,7 +147,12 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     _write_prompts(prompts, vocab)
     data = tmp_path / "data"
+    # Jobs can split a directory by shard ranges: this one writes shard 1 alone.
+    main([*_gen_args(tiny_target_dir, prompts, data), "--first-shard", "1", "--last-shard", "1"])
+    assert [p.name for p in shard_paths(data)] == ["shard-00001.jsonl.gz"]
+    middle = shard_paths(data)[0].stat().st_mtime_ns
     main(_gen_args(tiny_target_dir, prompts, data))
+    assert shard_paths(data)[1].stat().st_mtime_ns == middle  # the other job's shard is kept
     samples = [s for p in shard_paths(data) for s in read_shard(p)]
     assert len(samples) == 24 and all(len(s["answer"]) >= 1 for s in samples)
     assert len(shard_paths(data)) == 3
