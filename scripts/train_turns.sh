@@ -22,15 +22,18 @@ DISTILL=${DISTILL:-0.5}   # weight of the soft labels (0: hard labels only)
 GAMMA=${GAMMA:-}          # per-slot loss decay; empty: fit's default (0.45·B)
 RANK=${RANK:-}            # widen INIT's head to this correction rank (fit --rank); empty: keep it
 FEATURE_JOBS=${FEATURE_JOBS:-1}  # features jobs (one core each); 2 on a fresh machine's 2 cores
+TURN_SHARDS=${TURN_SHARDS:-}      # later-turn shards to store (default: all); fit trains on what is stored
 FIRST=data/smollm2-135m-instruct
 TURNS=data/smollm2-135m-instruct-turns
 TAPS=4,15,28
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 mkdir -p "$RUN"
-# Stores DIR's features in $2 jobs, job j taking every $2-th shard from the j-th (one core each).
+# Stores the features of DIR's shards (or of the comma-separated shard numbers $3) in $2 jobs, one
+# core each, newest shards first: a drafter trained on from INIT has not seen them yet.
 features_jobs() {
   local dir=$1 jobs=$2 j
-  local nums=($(ls "$dir" | sed -n 's/^shard-0*\([0-9][0-9]*\)\.jsonl\.gz$/\1/p'))
+  local nums=($(ls "$dir" | sed -n 's/^shard-0*\([0-9][0-9]*\)\.jsonl\.gz$/\1/p' | sort -rn))
+  [ -z "${3:-}" ] || nums=($(tr , '\n' <<< "$3" | sort -rn))
   for ((j = 0; j < jobs; j++)); do
     local mine=()
     for ((k = j; k < ${#nums[@]}; k += jobs)); do mine+=("${nums[k]}"); done
@@ -40,7 +43,7 @@ features_jobs() {
   wait
 }
 features_jobs $FIRST "$FEATURE_JOBS"   # already stored: a quick check
-features_jobs $TURNS "$FEATURE_JOBS" &
+features_jobs $TURNS "$FEATURE_JOBS" "$TURN_SHARDS" &
 features=$!
 $PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-size 4 \
   --batch-seqs 1 --anchors 32 --lr "$LR" --distill "$DISTILL" --base-loss-until 0.1 --threads 1 --save-every 500 \
