@@ -21,6 +21,7 @@ LR=${LR:-3e-4}
 DISTILL=${DISTILL:-0.5}   # weight of the soft labels (0: hard labels only)
 GAMMA=${GAMMA:-}          # per-slot loss decay; empty: fit's default (0.45·B)
 RANK=${RANK:-}            # widen INIT's head to this correction rank (fit --rank); empty: keep it
+LAYERS=${LAYERS:-}        # deepen INIT to this many layers (fit --layers); empty: keep its depth
 FEATURE_JOBS=${FEATURE_JOBS:-1}  # features jobs (one core each); 2 on a fresh machine's 2 cores
 TURN_SHARDS=${TURN_SHARDS:-}      # later-turn shards to store (default: all); fit trains on what is stored
 FIRST=data/smollm2-135m-instruct
@@ -48,7 +49,7 @@ features=$!
 $PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-size 4 \
   --batch-seqs 1 --anchors 32 --lr "$LR" --distill "$DISTILL" --base-loss-until 0.1 --threads 1 --save-every 500 \
   --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2000 \
-  ${GAMMA:+--gamma "$GAMMA"} ${RANK:+--rank "$RANK"} --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
+  ${GAMMA:+--gamma "$GAMMA"} ${RANK:+--rank "$RANK"} ${LAYERS:+--layers "$LAYERS"} --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
 wait $features
 $PY -m train eval --drafter "$RUN/drafter" --modes domino,dflash --slice test --json "$RUN/drafter/eval.json"
 echo "compare $RUN/drafter/eval.json with models/smollm2-135m-domino/eval.json; copy if better"

@@ -128,7 +128,12 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
         help="train the head on a detached backbone (the backbone learns from the base loss alone, as "
         "DFlash's does; λ unused)",
     )
-    f.add_argument("--layers", type=int, default=1)
+    f.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="draft layers (default 1); with --init-from, deepens that drafter (new layers start as no-ops)",
+    )
     f.add_argument(
         "--block-size",
         type=int,

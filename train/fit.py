@@ -30,6 +30,7 @@ from model.target import TargetModel
 from train.evaluate import offline_walk
 from train.features import ShardFeatures, compute_features, default_features_root, shard_features_dir, store_features
 from train.init import (
+    deepen,
     draft_vocab_map,
     init_weights,
     make_drafter_config,
@@ -170,6 +171,12 @@ def build_drafter(
             try:
                 widen_head(drafter, args.rank)
             except ValueError as e:  # a misuse of --rank: one line, like fit's other data errors
+                raise SystemExit(f"--init-from {args.init_from}: {e}") from None
+        if args.layers and args.layers != drafter.config.num_hidden_layers:
+            log.info("deepening %s from %d to %d layers", args.init_from, drafter.config.num_hidden_layers, args.layers)
+            try:
+                deepen(drafter, args.layers)
+            except ValueError as e:
                 raise SystemExit(f"--init-from {args.init_from}: {e}") from None
     else:
         vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None

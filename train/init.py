@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
@@ -11,6 +12,7 @@ from model.target import TargetModel
 
 DEFAULT_BLOCK_SIZE = 8  # a new drafter's block when --block-size is not given
 DEFAULT_RANK = 64  # a new drafter's correction rank when --rank is not given
+DEFAULT_LAYERS = 1  # a new drafter's depth when --layers is not given
 
 
 def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
@@ -18,7 +20,7 @@ def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_voc
     taps = (
         [int(t) for t in args.taps.split(",")]
         if args.taps
-        else default_target_layer_ids(target.num_layers, args.layers)
+        else default_target_layer_ids(target.num_layers, args.layers or DEFAULT_LAYERS)
     )
     rope_theta = getattr(tcfg, "rope_theta", None) or (getattr(tcfg, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0
@@ -26,7 +28,7 @@ def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_voc
     head = not args.no_head
     return DrafterConfig(
         hidden_size=target.hidden_size,
-        num_hidden_layers=args.layers,
+        num_hidden_layers=args.layers or DEFAULT_LAYERS,
         num_attention_heads=int(tcfg.num_attention_heads),
         num_key_value_heads=target.kv_heads,
         head_dim=target.head_dim,
@@ -128,3 +130,25 @@ def widen_head(drafter: Drafter, rank: int) -> None:
         new_w2.weight[:, :old] = w2.weight
     drafter.embed_proj[0], drafter.embed_proj[2] = new_w1, new_w2
     cfg.emb_dim = rank
+
+
+def deepen(drafter: Drafter, layers: int) -> None:
+    """Add layers on top of the drafter's last one without changing what it computes.
+
+    Each new layer is a copy of the last one with its attention output and MLP down projections at
+    zero, so both residual branches add nothing yet; those projections get a gradient at once (their
+    inputs are not zero), and the copied rest starts from weights that already read the context.
+    Every layer reads the same projected context, so the new ones need no new context path.
+    """
+    old = len(drafter.layers)
+    if layers < old:
+        raise ValueError(f"--layers {layers} is below the drafter's {old}; a drafter can only be deepened")
+    for _ in range(layers - old):
+        layer = copy.deepcopy(drafter.layers[-1])
+        with torch.no_grad():
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight.zero_()
+                if proj.bias is not None:
+                    proj.bias.zero_()
+        drafter.layers.append(layer)
+    drafter.config.num_hidden_layers = layers

@@ -22,7 +22,7 @@ from train.cli import main
 from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
 from train.features import ShardFeatures, compute_features, shard_features_dir, store_features
 from train.fit import amp_enabled
-from train.init import rebuild_draft_vocab, widen_head
+from train.init import deepen, rebuild_draft_vocab, widen_head
 from train.loss import (
     default_gamma,
     lambda_schedule,
@@ -255,6 +255,14 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     narrower = [*common[:rank], "8", *common[rank + 1 :], "--init-from", str(trained), "--stop-after", "0"]
     with pytest.raises(SystemExit, match="only be widened"):
         main([*narrower, "--out", str(tmp_path / "narrow"), "--run-dir", str(tmp_path / "run-narrow")])
+    # --layers deepens an --init-from drafter: one more layer, the old ones kept.
+    layers = common.index("--layers") + 1
+    deeper = [*common[:layers], "2", *common[layers + 1 :], "--init-from", str(trained), "--stop-after", "0"]
+    main([*deeper, "--out", str(tmp_path / "deeper"), "--run-dir", str(tmp_path / "run-deeper")])
+    deepened = load_drafter(tmp_path / "deeper")
+    assert (before.config.num_hidden_layers, deepened.config.num_hidden_layers) == (1, 2)
+    torch.testing.assert_close(deepened.layers[0].mlp.up_proj.weight, before.layers[0].mlp.up_proj.weight)
+    assert not deepened.layers[1].mlp.down_proj.weight.any()
     # Several gen directories train together; validation stays the first one's.
     more = tmp_path / "more"
     more.mkdir()
@@ -444,6 +452,25 @@ def test_widening_the_head_keeps_its_output_and_lets_the_new_rank_learn() -> Non
     assert drafter.embed_proj[2].weight.grad[:, old_rank:].abs().sum() > 0
     with pytest.raises(ValueError, match="only be widened"):
         widen_head(drafter, old_rank)
+
+
+def test_deepening_keeps_the_output_and_lets_the_new_layer_learn() -> None:
+    """fit --init-from D --layers L: the deeper drafter computes exactly what D did (the new layer's
+    residual branches start at zero), and the zeroed projections get a gradient at once."""
+    drafter, batch = _bound_drafter_and_batch()
+    with torch.no_grad():
+        before = training_loss(drafter, batch, 0.5, None, gamma=1.1)["final_logits"]
+    old = len(drafter.layers)
+    deepen(drafter, old + 1)
+    assert drafter.config.num_hidden_layers == len(drafter.layers) == old + 1
+    new = drafter.layers[-1]
+    assert new.self_attn.q_proj.weight.data_ptr() != drafter.layers[-2].self_attn.q_proj.weight.data_ptr()
+    out = training_loss(drafter, batch, 0.5, None, gamma=1.1)
+    torch.testing.assert_close(out["final_logits"], before, rtol=1e-5, atol=1e-5)
+    out["loss"].backward()
+    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="only be deepened"):
+        deepen(drafter, old)
 
 
 def test_features_select_shards_by_number_across_gaps(tmp_path: Path) -> None:
