@@ -166,18 +166,15 @@ def build_drafter(
         if args.block_size and args.block_size != drafter.config.block_size:
             log.info("re-blocking %s from %d to %d", args.init_from, drafter.config.block_size, args.block_size)
             drafter.config.block_size = args.block_size
-        if args.rank and args.rank != drafter.config.emb_dim:
-            log.info("widening %s's head from rank %d to %d", args.init_from, drafter.config.emb_dim, args.rank)
-            try:
+        try:
+            if args.rank and args.rank != drafter.config.emb_dim:
+                log.info("widening %s's head from rank %d to %d", args.init_from, drafter.config.emb_dim, args.rank)
                 widen_head(drafter, args.rank)
-            except ValueError as e:  # a misuse of --rank: one line, like fit's other data errors
-                raise SystemExit(f"--init-from {args.init_from}: {e}") from None
-        if args.layers and args.layers != drafter.config.num_hidden_layers:
-            log.info("deepening %s from %d to %d layers", args.init_from, drafter.config.num_hidden_layers, args.layers)
-            try:
+            if args.layers and args.layers != drafter.config.num_hidden_layers:
+                log.info("deepening %s to %d layers", args.init_from, args.layers)
                 deepen(drafter, args.layers)
-            except ValueError as e:
-                raise SystemExit(f"--init-from {args.init_from}: {e}") from None
+        except ValueError as e:  # a --rank or --layers below D's: one line, like fit's other data errors
+            raise SystemExit(f"--init-from {args.init_from}: {e}") from None
     else:
         vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))

@@ -140,6 +140,12 @@ def _gen_args(target_dir: Path, prompts: Path, data: Path) -> list[str]:
     ]
 
 
+def _with(args: list[str], flag: str, value: str) -> list[str]:
+    """`args` with the value after `flag` replaced."""
+    at = args.index(flag) + 1
+    return [*args[:at], value, *args[at + 1 :]]
+
+
 def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -244,20 +250,17 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     _check_offline_walk_equals_engine(tiny_target_dir, trained, data)
     # --block-size re-blocks an --init-from drafter: the same weights, fewer drafts per block.
     reblocked = tmp_path / "reblocked"
-    shape = common.index("--block-size") + 1
-    args = [*common[:shape], "2", *common[shape + 1 :], "--init-from", str(trained), "--stop-after", "0"]
+    args = [*_with(common, "--block-size", "2"), "--init-from", str(trained), "--stop-after", "0"]
     main([*args, "--out", str(reblocked), "--run-dir", str(tmp_path / "run2")])
     before, after = load_drafter(trained), load_drafter(reblocked)
     assert (before.config.block_size, after.config.block_size) == (4, 2)
     torch.testing.assert_close(after.fc.weight, before.fc.weight)
     # A head can only be widened: a smaller --rank is a one-line error, not a traceback.
-    rank = common.index("--rank") + 1
-    narrower = [*common[:rank], "8", *common[rank + 1 :], "--init-from", str(trained), "--stop-after", "0"]
+    narrower = [*_with(common, "--rank", "8"), "--init-from", str(trained), "--stop-after", "0"]
     with pytest.raises(SystemExit, match="only be widened"):
         main([*narrower, "--out", str(tmp_path / "narrow"), "--run-dir", str(tmp_path / "run-narrow")])
     # --layers deepens an --init-from drafter: one more layer, the old ones kept.
-    layers = common.index("--layers") + 1
-    deeper = [*common[:layers], "2", *common[layers + 1 :], "--init-from", str(trained), "--stop-after", "0"]
+    deeper = [*_with(common, "--layers", "2"), "--init-from", str(trained), "--stop-after", "0"]
     main([*deeper, "--out", str(tmp_path / "deeper"), "--run-dir", str(tmp_path / "run-deeper")])
     deepened = load_drafter(tmp_path / "deeper")
     assert (before.config.num_hidden_layers, deepened.config.num_hidden_layers) == (1, 2)
@@ -267,7 +270,7 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     more = tmp_path / "more"
     more.mkdir()
     shutil.copy(shard_paths(data)[1], more / shard_paths(data)[0].name)
-    both = [*common[: common.index("--data") + 1], f"{data},{more}", *common[common.index("--data") + 2 :]]
+    both = _with(common, "--data", f"{data},{more}")
     run3 = tmp_path / "run3"
     main([*both, "--out", str(tmp_path / "both"), "--run-dir", str(run3), "--stop-after", "1"])
     summary = json.loads((run3 / "summary.json").read_text())
