@@ -10,9 +10,10 @@
 # Round 12 widened round 11's head from rank 64 to 256 (output unchanged) and trained on:
 #   RUN=runs/turns12 GAMMA=1.1 RANK=256 BUDGET_S=5700 bash scripts/train_turns.sh
 # On a fresh machine no features are stored (~2.3 min per shard per core): FEATURE_JOBS=2 stores
-# them two at a time, the first-turn ones before fit starts, the later turns beside it. The
-# first-turn shards hold ~980 answers each (~10 min per shard per core): round 14 stored two of
-# them (FIRST_SHARDS=6,7) as a replay of the data INIT was trained on, so fit started early.
+# them two at a time, the first-turn ones before fit starts, the later turns from the start and
+# beside fit. The first-turn shards hold ~980 answers each (~10 min per shard per core): round 14
+# stored three of them (FIRST_SHARDS=0,6,7; shard 0 holds fit's validation samples) as a replay of
+# the data INIT was trained on, so that fit started early.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -26,7 +27,7 @@ RANK=${RANK:-}            # widen INIT's head to this correction rank (fit --ran
 LAYERS=${LAYERS:-}        # deepen INIT to this many layers (fit --layers); empty: keep its depth
 FEATURE_JOBS=${FEATURE_JOBS:-1}  # features jobs (one core each); 2 on a fresh machine's 2 cores
 TURN_SHARDS=${TURN_SHARDS:-}      # later-turn shards to store (default: all); fit trains on what is stored
-FIRST_SHARDS=${FIRST_SHARDS:-}    # first-turn shards to store before fit (default: all; ~10 min each per core)
+FIRST_SHARDS=${FIRST_SHARDS:-}    # first-turn shards to store before fit (default: all; ~10 min each per core; include 0)
 FIRST=data/smollm2-135m-instruct
 TURNS=data/smollm2-135m-instruct-turns
 TAPS=4,15,28
@@ -46,9 +47,11 @@ features_jobs() {
   done
   wait
 }
-features_jobs $FIRST "$FEATURE_JOBS" "$FIRST_SHARDS"   # already stored: a quick check
+features_jobs $FIRST "$FEATURE_JOBS" "$FIRST_SHARDS" &   # already stored: a quick check
+first=$!
 features_jobs $TURNS "$FEATURE_JOBS" "$TURN_SHARDS" &
 features=$!
+wait $first   # fit validates on shard 0's last samples: it starts once the first-turn shards are stored
 $PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-size 4 \
   --batch-seqs 1 --anchors 32 --lr "$LR" --distill "$DISTILL" --base-loss-until 0.1 --threads 1 --save-every 500 \
   --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2000 \

@@ -57,7 +57,8 @@ def features_root(data_dir: Path, features_dir: str | None, several: bool) -> Pa
 
 class TrainingData:
     """Training and validation sequences with their stored features (memory-mapped) or none
-    (online features). Validation = the last `val_samples` samples of the first shard."""
+    (online features). Validation = the last `val_samples` samples of the first directory's first
+    shard, which must be stored before fit --stored-only starts."""
 
     def __init__(self, args: argparse.Namespace, taps: list[int], target: TargetModel) -> None:
         # One or more gen directories (comma-separated); validation always comes from the first.
@@ -83,6 +84,11 @@ class TrainingData:
         self.val_samples = args.val_samples
         self.loaded: set[int] = set()
         self.refresh()
+        if self.val_samples and not self.val:
+            raise SystemExit(
+                f"validation comes from {self.paths[0]}, whose features are not stored yet: store them first "
+                "(`domino-train features --shards N`), so that no run validates on samples it trains on"
+            )
         if not self.train:
             raise SystemExit(
                 f"no training samples in {args.data}"
@@ -120,8 +126,9 @@ class TrainingData:
             items = [(k, row, s) for row, s in enumerate(read_shard(path))]
             if self.max_samples:
                 items = items[: max(0, self.max_samples - len(self.train) - len(self.val))]
-            if not self.val and self.val_samples:
-                # Validation = the last samples of the first shard that arrives (shard 0 in practice).
+            if k == 0 and self.val_samples:
+                # Validation = the last samples of the first directory's first shard, whatever
+                # order shards are stored in: checkpoints are picked on samples no run trains on.
                 self.val, items = items[-self.val_samples :], items[: -self.val_samples]
             self.train.extend(items)
             self.loaded.add(k)

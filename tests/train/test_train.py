@@ -276,6 +276,16 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
     summary = json.loads((run3 / "summary.json").read_text())
     assert summary["train_samples"] == json.loads((run / "summary.json").read_text())["train_samples"] + 8
     assert (features / "more").is_dir() and (features / "data").is_dir()  # one folder per data directory
+    # Validation is always the first shard's last samples: with only shard 1 stored, fit refuses to
+    # start rather than validate on samples an earlier run trained on.
+    partial = tmp_path / "partial"
+    main(
+        ["features", "--target", str(tiny_target_dir), "--data", str(data), "--taps", "2"]
+        + ["--features-dir", str(partial), "--shards", "1"]
+    )
+    stored_one = [*_with(common, "--features-dir", str(partial)), "--stored-only", "--stop-after", "0"]
+    with pytest.raises(SystemExit, match="validation comes from .*shard-00000"):
+        main([*stored_one, "--out", str(tmp_path / "partial-out"), "--run-dir", str(tmp_path / "run-partial")])
     # `walk` replays fit's own validation: the same τ as the best validation row.
     walk_json = tmp_path / "walk.json"
     walk_args = ["--data", str(data), "--features-dir", str(features), "--val-samples", "4", "--stride", "3"]
