@@ -52,6 +52,25 @@ def walk_cmd(args: argparse.Namespace) -> None:
     run(args)
 
 
+def average_cmd(args: argparse.Namespace) -> None:
+    from model.checkpoint import load_drafter, save_drafter
+    from train.init import average_drafters
+
+    paths = args.drafters.split(",")
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else None
+    drafters = [load_drafter(p, dtype=torch.float32) for p in paths]
+    save_drafter(average_drafters(drafters, weights), args.out)
+    logging.getLogger("domino.train").info("averaged %d drafters into %s", len(paths), args.out)
+
+
+def _average_parser(sub: argparse._SubParsersAction) -> None:
+    a = sub.add_parser("average", help="average the weights of drafters fine-tuned from one checkpoint")
+    a.add_argument("--drafters", required=True, help="comma-separated drafter directories (same config and vocabulary)")
+    a.add_argument("--weights", default=None, help="comma-separated weights (default: equal)")
+    a.add_argument("--out", required=True)
+    a.set_defaults(func=average_cmd)
+
+
 def _walk_parser(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("walk", help="offline τ on fit's validation sequences (stored features), walk and fixed anchors")
     w.add_argument("--target", default="default")
@@ -205,7 +224,7 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domino-train", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_gen_parser, _features_parser, _fit_parser, _eval_parser, _walk_parser):
+    for add in (_gen_parser, _features_parser, _fit_parser, _eval_parser, _walk_parser, _average_parser):
         add(sub)
     return parser
 

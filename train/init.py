@@ -152,3 +152,36 @@ def deepen(drafter: Drafter, layers: int) -> None:
                     proj.bias.zero_()
         drafter.layers.append(layer)
     drafter.config.num_hidden_layers = layers
+
+
+def average_drafters(drafters: list[Drafter], weights: list[float] | None = None) -> Drafter:
+    """A drafter whose floating-point weights are the weighted mean of `drafters`' (a weight soup).
+
+    Only drafters fine-tuned from one checkpoint average into something useful: they must share the
+    config and the draft vocabulary, and in practice an initialisation, so that their weights lie in
+    one basin. Returns a new drafter; the inputs are left as they were.
+    """
+    if not drafters:
+        raise ValueError("no drafters to average")
+    weights = weights if weights is not None else [1.0] * len(drafters)
+    if len(weights) != len(drafters) or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError("need one non-negative weight per drafter, not all zero")
+    first = drafters[0]
+    states = [d.state_dict() for d in drafters]
+    for i, (d, state) in enumerate(zip(drafters[1:], states[1:], strict=True), start=1):
+        if d.config != first.config:
+            raise ValueError(f"drafter {i} has another config than drafter 0; only like drafters average")
+        for name, tensor in state.items():
+            if not tensor.is_floating_point() and not torch.equal(tensor, states[0][name]):
+                raise ValueError(f"drafter {i} differs from drafter 0 in '{name}' (e.g. its draft vocabulary)")
+    total = float(sum(weights))
+    mean = {}
+    for name, tensor in states[0].items():
+        if tensor.is_floating_point():
+            acc = sum(w * s[name].float() for w, s in zip(weights, states, strict=True)) / total
+            mean[name] = acc.to(tensor.dtype)
+        else:
+            mean[name] = tensor.clone()
+    out = copy.deepcopy(first)
+    out.load_state_dict(mean)
+    return out

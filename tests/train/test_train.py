@@ -500,3 +500,45 @@ def test_features_select_shards_by_number_across_gaps(tmp_path: Path) -> None:
     assert stored == ["shard-00060.taps-2"], stored
     with pytest.raises(FileNotFoundError, match="shard-00007"):
         store_features(target, data, root, [2], topk=4, shards=[7])
+
+
+def test_average_writes_the_mean_of_like_drafters_and_refuses_unlike_ones(tmp_path: Path) -> None:
+    """domino-train average: every floating-point weight of the output is the weighted mean of the
+    inputs' (here exactly, in the bf16 the checkpoints are stored in), the draft vocabulary is kept,
+    and drafters with another vocabulary or config are refused rather than blended."""
+    from model.checkpoint import save_drafter
+
+    a, b = tiny_drafter(seed=1, draft_vocab_size=64), tiny_drafter(seed=2, draft_vocab_size=64)
+    with torch.no_grad():
+        a.draft_vocab_ids.copy_(torch.arange(64) + 3)
+        b.draft_vocab_ids.copy_(torch.arange(64) + 3)
+    save_drafter(a, tmp_path / "a")
+    save_drafter(b, tmp_path / "b")
+    main(
+        [
+            "average",
+            "--drafters",
+            f"{tmp_path / 'a'},{tmp_path / 'b'}",
+            "--weights",
+            "1,3",
+            "--out",
+            str(tmp_path / "m"),
+        ]
+    )
+    la, lb, mean = (load_drafter(tmp_path / n) for n in ("a", "b", "m"))
+    assert mean.config == la.config
+    for name, tensor in mean.state_dict().items():
+        if tensor.is_floating_point():
+            expected = ((la.state_dict()[name] + 3 * lb.state_dict()[name]) / 4).bfloat16().float()
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=name)
+    assert torch.equal(mean.draft_vocab_ids, torch.arange(64) + 3)
+    assert not torch.equal(mean.layers[0].mlp.up_proj.weight, la.layers[0].mlp.up_proj.weight)
+
+    with torch.no_grad():
+        b.draft_vocab_ids.copy_(torch.arange(64))
+    save_drafter(b, tmp_path / "other_vocab")
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        main(["average", "--drafters", f"{tmp_path / 'a'},{tmp_path / 'other_vocab'}", "--out", str(tmp_path / "x")])
+    save_drafter(tiny_drafter(seed=2, draft_vocab_size=64, emb_dim=16), tmp_path / "other_rank")
+    with pytest.raises(ValueError, match="another config"):
+        main(["average", "--drafters", f"{tmp_path / 'a'},{tmp_path / 'other_rank'}", "--out", str(tmp_path / "y")])
