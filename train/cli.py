@@ -171,7 +171,12 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--shift-label", action=argparse.BooleanOptionalAction, default=True)
     f.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True, help="per-head q/k RMSNorm")
     f.add_argument("--mask-token-id", type=int, default=None, help="default: a learned mask embedding")
-    f.add_argument("--draft-vocab", type=int, default=8192, help="0: full vocabulary")
+    f.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft vocabulary size (default 8192; 0: full vocabulary); with --init-from, widens that drafter's",
+    )
     f.add_argument("--rebuild-vocab", action="store_true", help="with --init-from: re-pick the draft vocabulary")
     f.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True)
     f.add_argument("--steps", type=int, default=2000)

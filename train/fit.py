@@ -36,6 +36,7 @@ from train.init import (
     make_drafter_config,
     rebuild_draft_vocab,
     warm_start,
+    widen_draft_vocab,
     widen_head,
 )
 from train.loss import default_gamma, lambda_schedule, lr_schedule, sample_batch, training_loss, training_progress
@@ -180,10 +181,17 @@ def build_drafter(
             if args.layers and args.layers != drafter.config.num_hidden_layers:
                 log.info("deepening %s to %d layers", args.init_from, args.layers)
                 deepen(drafter, args.layers)
-        except ValueError as e:  # a --rank or --layers below D's: one line, like fit's other data errors
+            wanted = None if args.draft_vocab == 0 else args.draft_vocab  # 0: the full vocabulary
+            if args.draft_vocab is not None and wanted != drafter.config.draft_vocab_size:
+                size = wanted or target.vocab_size
+                old_size = drafter.config.draft_vocab_size
+                log.info("widening %s's draft vocabulary from %s to %d", args.init_from, old_size, size)
+                widen_draft_vocab(drafter, data.answer_token_counts(target.vocab_size), size)
+        except ValueError as e:  # a --rank, --layers or --draft-vocab below D's: one line, like fit's other data errors
             raise SystemExit(f"--init-from {args.init_from}: {e}") from None
     else:
-        vocab_size = min(args.draft_vocab, target.vocab_size) if args.draft_vocab else None
+        draft_vocab = 8192 if args.draft_vocab is None else args.draft_vocab
+        vocab_size = min(draft_vocab, target.vocab_size) if draft_vocab else None
         drafter = Drafter(make_drafter_config(args, target, vocab_size))
         init_weights(drafter)
         if args.warm_start:

@@ -96,6 +96,40 @@ def rebuild_draft_vocab(drafter: Drafter, counts: torch.Tensor) -> None:
         drafter.draft_vocab_ids.copy_(new_ids.to(drafter.draft_vocab_ids.device))
 
 
+def widen_draft_vocab(drafter: Drafter, counts: torch.Tensor, size: int) -> None:
+    """Grow the draft vocabulary in place to `size` tokens: every current token stays, the most
+    frequent others of `counts` [Vt] join it. A new token's base logit is the target's LM-head row
+    (borrowed, nothing to learn), so slot 0, which has no correction, proposes it at once. Its
+    correction row starts as the mean of the learned ones: the learned rows share a large common
+    part (a zero row would let every new token outbid the learned ones at the corrected slots)."""
+    cfg = drafter.config
+    old = cfg.draft_vocab_size
+    if old is None:
+        raise ValueError("the drafter already drafts from the full vocabulary")
+    size = min(size, counts.numel())
+    if size < old:
+        raise ValueError(f"--draft-vocab {size} is below the drafter's {old}; a draft vocabulary can only be widened")
+    if size == old:
+        return
+    old_ids = drafter.draft_vocab_ids.cpu()
+    ranked = counts.clone().float()
+    ranked[old_ids] = float("inf")  # the current tokens come first, whatever their counts here
+    new_ids = ranked.argsort(descending=True, stable=True)[:size].sort().values
+    dev = drafter.draft_vocab_ids.device
+    if cfg.has_head:
+        w2 = drafter.embed_proj[2]
+        new_w2 = torch.nn.Linear(w2.in_features, size, bias=False, dtype=w2.weight.dtype, device=w2.weight.device)
+        old_row = torch.full((counts.numel(),), -1, dtype=torch.long)
+        old_row[old_ids] = torch.arange(old)
+        src = old_row[new_ids].to(w2.weight.device)
+        with torch.no_grad():
+            new_w2.weight.copy_(w2.weight.mean(dim=0, keepdim=True).expand(size, -1))
+            new_w2.weight[src >= 0] = w2.weight[src[src >= 0]]
+        drafter.embed_proj[2] = new_w2
+    drafter.draft_vocab_ids = new_ids.to(dev)  # a registered buffer: replaced, still saved
+    cfg.draft_vocab_size = size
+
+
 def draft_vocab_map(drafter: Drafter, target_vocab: int) -> torch.Tensor | None:
     """Target id -> draft-vocabulary row ([Vt], -1 outside), or None for a full-vocabulary drafter."""
     if drafter.config.draft_vocab_size is None:

@@ -22,7 +22,7 @@ from train.cli import main
 from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
 from train.features import ShardFeatures, compute_features, shard_features_dir, store_features
 from train.fit import amp_enabled
-from train.init import deepen, rebuild_draft_vocab, widen_head
+from train.init import deepen, rebuild_draft_vocab, widen_draft_vocab, widen_head
 from train.loss import (
     default_gamma,
     lambda_schedule,
@@ -382,6 +382,38 @@ def test_rebuild_draft_vocab_keeps_learned_rows_of_kept_tokens() -> None:
     assert drafter.draft_vocab_ids.tolist() == [3, 5, 40, 41, 42, 43, 44, 45]
     rows = drafter.embed_proj[2].weight[:, 0].tolist()
     assert rows == [4.0, 6.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_widening_the_draft_vocabulary_keeps_learned_rows_and_proposes_new_tokens(tmp_path: Path) -> None:
+    """fit --init-from D --draft-vocab N: every token of D stays with its learned correction row, the
+    most frequent others join with the mean row, slot 0 can propose them at once, and the wider
+    drafter saves and loads."""
+    from model.checkpoint import load_drafter, save_drafter
+    from tests.helpers import tiny_drafter
+
+    torch.manual_seed(0)
+    drafter = tiny_drafter(vocab=64, draft_vocab_size=8)
+    with torch.no_grad():
+        drafter.draft_vocab_ids.copy_(torch.arange(8))  # tokens 0..7
+        drafter.embed_proj[2].weight.copy_(torch.arange(8, dtype=torch.float32)[:, None] + 1)
+    counts = torch.zeros(64, dtype=torch.long)
+    counts[[40, 41, 42, 43]] = 10
+    counts[50] = 5  # the fifth most frequent newcomer: left out at size 12
+    widen_draft_vocab(drafter, counts, 12)
+    assert drafter.config.draft_vocab_size == 12
+    assert drafter.draft_vocab_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 40, 41, 42, 43]
+    rows = drafter.embed_proj[2].weight[:, 0].tolist()
+    assert rows == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 4.5, 4.5, 4.5, 4.5]
+    # Slot 0 has no correction: a hidden state that points at token 42's LM-head row proposes it.
+    lm_head = torch.randn(64, drafter.config.hidden_size)
+    drafter.bind_target(torch.randn(64, drafter.config.hidden_size), lm_head)
+    assert int(drafter.to_full_vocab(drafter.base_logits(10 * lm_head[42]).argmax())) == 42
+    save_drafter(drafter, tmp_path / "wide", dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "wide", dtype=torch.float32)
+    assert loaded.draft_vocab_ids.tolist() == drafter.draft_vocab_ids.tolist()
+    torch.testing.assert_close(loaded.embed_proj[2].weight, drafter.embed_proj[2].weight)
+    with pytest.raises(ValueError, match="only be widened"):
+        widen_draft_vocab(drafter, counts, 8)
 
 
 def test_bf16_autocast_step_tracks_fp32() -> None:
