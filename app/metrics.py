@@ -49,6 +49,9 @@ class Metrics:
             "domino_spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.", ("position",)
         )
         prompt_tokens = counter("domino_prompt_tokens", "Prompt tokens prefilled.")
+        cached_tokens = counter(
+            "domino_prompt_tokens_cached", "Prompt tokens copied from the prefix cache instead of computed."
+        )
         generation_tokens = counter("domino_generation_tokens", "Tokens generated (stop tokens included).")
         success = counter("domino_request_success", "Finished requests by finish reason.", ("finished_reason",))
         errors = counter("domino_request_errors", "Requests that failed during generation.")
@@ -57,6 +60,7 @@ class Metrics:
         self.num_accepted_tokens = {p: accepted.labels(m, p) for p in PROPOSERS}
         self.accepted_per_position = [self._accepted_per_pos.labels(m, str(p)) for p in range(num_draft_positions)]
         self.prompt_tokens = prompt_tokens.labels(m)
+        self.prompt_tokens_cached = cached_tokens.labels(m)
         self.generation_tokens = generation_tokens.labels(m)
         self.request_success = {reason: success.labels(m, reason) for reason in ("stop", "length", "abort")}
         self.request_errors = errors.labels(m)

@@ -23,6 +23,7 @@ from app.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptTokensDetails,
     SpecDecodeStats,
     TopLogprob,
     Usage,
@@ -48,11 +49,15 @@ def spec_decode_field(stats: RequestStats) -> SpecDecodeStats:
     )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, stats: RequestStats, n: int) -> Usage:
+    """Token counts; `stats` summed over the choices, `n` choices per prompt. Each choice runs its own
+    prefill, so the cached prompt tokens are averaged over a prompt's choices (prompt tokens are
+    counted once per prompt, as OpenAI counts them)."""
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_prompt_tokens // max(n, 1)),
     )
 
 
@@ -190,7 +195,7 @@ class StreamFormat(Protocol):
 
 
 async def stream_events(
-    service: Service, handle: RequestHandle, fmt: StreamFormat, prompt_tokens: int, include_usage: bool
+    service: Service, handle: RequestHandle, fmt: StreamFormat, prompt_tokens: int, include_usage: bool, n: int
 ) -> AsyncIterator[str]:
     """The SSE body: the endpoint's chunks, then the usage tail (if asked) and [DONE]; a failed choice
     ends the stream with an error event. Whatever still runs is aborted when the stream ends or the
@@ -219,8 +224,8 @@ async def stream_events(
             if chunk is not None:
                 yield chunk
         if include_usage:
-            spec = spec_decode_field(RequestStats.summed(choice_stats))
-            yield fmt.tail(usage(prompt_tokens, completion_tokens), spec)
+            summed = RequestStats.summed(choice_stats)
+            yield fmt.tail(usage(prompt_tokens, completion_tokens, summed, n), spec_decode_field(summed))
         yield DONE
     finally:
         service.worker.abort(handle)  # a no-op when everything finished

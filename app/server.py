@@ -47,6 +47,8 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         "ngram": settings.ngram,
         "static_shapes": None if settings.static_shapes == "auto" else settings.static_shapes == "on",
         "cuda_graphs": settings.cuda_graphs,
+        "prefix_cache_tokens": settings.prefix_cache_tokens,
+        "prefix_block_size": settings.prefix_block_size,
     }
     if settings.block_size is not None:
         kwargs["max_drafts"] = settings.block_size

@@ -59,6 +59,13 @@ class Settings(BaseSettings):
         64, ge=0, description="sequences admitted beyond the running rows; more are refused with 429"
     )
     max_model_len: int = Field(2048, ge=2, description="prompt + generated tokens per sequence")
+    prefix_cache_tokens: int = Field(
+        4096,
+        ge=0,
+        description="prompt tokens whose keys/values are kept for later prompts that begin alike "
+        "(the system prompt, the chat template's markers); 0: off",
+    )
+    prefix_block_size: int = Field(8, ge=1, description="granularity of the prefix cache, in tokens")
     max_n: int = Field(16, ge=1, description="largest accepted `n` (choices per prompt)")
     max_stop: int = Field(16, ge=0, description="most stop strings / stop token ids per request")
 

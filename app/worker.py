@@ -364,6 +364,7 @@ class EngineWorker:
             m.queue_time.observe(max(0.0, t0 - state.arrival))
             m.time_to_first_token.observe(t1 - state.arrival)
             m.prompt_tokens.inc(len(state.spec.prompt_ids))
+            m.prompt_tokens_cached.inc(out.stats.cached_prompt_tokens)
         elif n_new and state.last_token_time is not None:
             gap = (t1 - state.last_token_time) / n_new
             for _ in range(n_new):

@@ -25,6 +25,7 @@ from model.drafter import DraftContextCache, Drafter, DraftResult
 from model.logits_processors import RowProcessor, new_row_processor, process_logits
 from model.ngram import NgramIndex
 from model.policy import DraftPolicy, NgramPlan, StepChoice
+from model.prefix_cache import PrefixCache
 from model.requests import (
     ContextLengthError,
     RequestOutput,
@@ -134,6 +135,8 @@ class Engine:
         static_shapes: bool | None = None,
         cuda_graphs: bool = True,
         prefill_split_tokens: int | None = None,
+        prefix_cache_tokens: int = 0,
+        prefix_block_size: int = 16,
     ) -> None:
         _check_engine_args(mode, drafter, draft_policy)
         self.target = target
@@ -178,6 +181,17 @@ class Engine:
         self.draft_cache = (
             DraftContextCache(self.drafter.config, slots, capacity, target.dtype, self.device)
             if self.drafter is not None
+            else None
+        )
+        # Prompt beginnings seen before (model/prefix_cache.py); not when capturing training
+        # features, which need every prompt position's taps.
+        self.prefix_cache = (
+            PrefixCache(
+                [self.cache] + ([self.draft_cache] if self.draft_cache is not None else []),
+                prefix_block_size,
+                prefix_cache_tokens,
+            )
+            if prefix_cache_tokens > 0 and not self.capture
             else None
         )
         self.static: StaticSteps | None = None
@@ -460,19 +474,29 @@ class Engine:
         """Admit rows: prompt forwards (rows sorted by length, split where padding would cost more
         than another forward), first token sampled from each prompt's last position."""
         self.policy.on_admit()
-        new = sorted(new, key=lambda r: len(r.prompt_ids))
+        t0 = time.perf_counter()
+        # Each row forwards its prompt after the beginning found in the prefix cache (if any).
+        hits = {id(r): self.prefix_cache.lookup(r.prompt_ids) if self.prefix_cache else [] for r in new}
+        block = self.prefix_cache.block_size if self.prefix_cache else 0
+        cached = {id(r): len(hits[id(r)]) * block for r in new}
+        new = sorted(new, key=lambda r: len(r.prompt_ids) - cached[id(r)])
         lo = len(self.rows)
         self.rows.extend(new)
-        t0 = time.perf_counter()
-        lengths = [len(r.prompt_ids) for r in new]
+        starts = [cached[id(r)] for r in new]
+        lengths = [len(r.prompt_ids) - n for r, n in zip(new, starts)]  # tokens forwarded per row
         lens = torch.tensor(lengths, device=self.device)
+        start_t = torch.tensor(starts, device=self.device)
+        for i, row in enumerate(new):
+            row.stats.cached_prompt_tokens = starts[i]
+            if self.prefix_cache is not None and starts[i]:
+                self.prefix_cache.load(lo + i, hits[id(row)])
         groups = prefill_groups(lengths, self.prefill_split_tokens)
         logits_parts, features = [], []
         for a, b in groups:
             tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=self.device)
             for i in range(a, b):
-                tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids, device=self.device)
-            self.cache.lengths[lo + a : lo + b] = 0
+                tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids[starts[i] :], device=self.device)
+            self.cache.lengths[lo + a : lo + b] = start_t[a:b]
             out = self.target.forward(
                 self.cache, lo + a, tokens, logits_at=lens[a:b] - 1, want_features=self.want_features, taps=self.taps
             )
@@ -488,13 +512,16 @@ class Engine:
             for i, (row, tok) in enumerate(zip(new, first))
         ]
         # All work is done: now advance the caches.
-        self.cache.lengths[lo : lo + len(new)] = lens
+        self.cache.lengths[lo : lo + len(new)] = start_t + lens
         if self.drafter is not None:
             assert self.draft_cache is not None
             for (a, b), feats in zip(groups, features):
                 assert feats is not None
-                self.draft_cache.lengths[lo + a : lo + b] = 0
+                self.draft_cache.lengths[lo + a : lo + b] = start_t[a:b]
                 self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b])
+        if self.prefix_cache is not None:
+            for i, row in enumerate(new):
+                self.prefix_cache.store(lo + i, row.prompt_ids)
         outputs, done = [], []
         for g, (a, b) in enumerate(groups):
             for i in range(a, b):

@@ -62,6 +62,7 @@ class RequestStats:
     # The same counts split by who proposed the drafts: "drafter" or "ngram".
     draft_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
     accepted_tokens_by_proposer: dict[str, int] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens copied from the prefix cache, not computed
 
     @classmethod
     def summed(cls, stats: list[RequestStats]) -> RequestStats:
@@ -73,6 +74,7 @@ class RequestStats:
             total.draft_tokens += s.draft_tokens
             total.accepted_tokens += s.accepted_tokens
             total.acceptance_lengths += s.acceptance_lengths
+            total.cached_prompt_tokens += s.cached_prompt_tokens
             for who, n in s.draft_tokens_by_proposer.items():
                 total.draft_tokens_by_proposer[who] = total.draft_tokens_by_proposer.get(who, 0) + n
             for who, n in s.accepted_tokens_by_proposer.items():

@@ -124,7 +124,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         fmt = ChatStream(
             rid, created, service.model_name, include_usage, n, lambda: service.chat_parser(body, prompt_text)
         )
-        return sse_response(stream_events(service, handle, fmt, len(ids), include_usage))
+        return sse_response(stream_events(service, handle, fmt, len(ids), include_usage, n))
 
     results = await collect(request, service, handle)
     if results is None:
@@ -153,7 +153,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         created=created,
         model=service.model_name,
         choices=choices,
-        usage=usage(len(ids), completion_tokens),
+        usage=usage(len(ids), completion_tokens, stats, n),
         spec_decode=spec_decode_field(stats),
     )
     return JSONResponse(resp.model_dump(mode="json"))

@@ -110,7 +110,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = CompletionStream(rid, created, service.model_name, echo_text, len(specs), include_usage)
-        return sse_response(stream_events(service, handle, fmt, prompt_tokens, include_usage))
+        return sse_response(stream_events(service, handle, fmt, prompt_tokens, include_usage, n))
 
     results = await collect(request, service, handle)
     if results is None:
@@ -130,7 +130,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
         created=created,
         model=service.model_name,
         choices=choices,
-        usage=usage(prompt_tokens, completion_tokens),
+        usage=usage(prompt_tokens, completion_tokens, stats, n),
         spec_decode=spec_decode_field(stats),
     )
     return JSONResponse(resp.model_dump(mode="json"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import threading
 import time
 from typing import Any
@@ -109,6 +110,7 @@ def test_completion_greedy_matches_reference(client: httpx.Client, tok: Any, gre
             "prompt_tokens": len(ids),
             "completion_tokens": len(ref_ids),
             "total_tokens": len(ids) + len(ref_ids),
+            "prompt_tokens_details": {"cached_tokens": 0},  # no earlier prompt began like these
         }
         check_spec(body["spec_decode"])
         # Every verify step commits at least one token; the prefill commits the first.
@@ -345,7 +347,11 @@ def test_chat_non_stream_and_stream(client: httpx.Client, tok: Any, greedy_refer
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in content) == ref_text
     assert [e["choices"][0]["finish_reason"] for e in content][-1] == ref_finish
     assert all(e["choices"][0]["finish_reason"] is None for e in content[:-1])
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == body["usage"]
+    assert usage_chunk["choices"] == []
+    # The same prompt again: every full 8-token block of it (one token left to forward) is cached now.
+    cached = usage_chunk["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert cached == (len(ids) - 1) // 8 * 8 > 0
+    assert usage_chunk["usage"] == {k: v for k, v in body["usage"].items() if k != "prompt_tokens_details"}
     assert usage_chunk["spec_decode"] == body["spec_decode"]
 
 
@@ -562,3 +568,25 @@ def test_oversized_bodies_get_413(server: ServerProcess) -> None:
     )
     assert r.status_code == 413 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_prompts_beginning_alike_reuse_the_prefix_cache(server: ServerProcess, tok: Any, greedy_reference: Any) -> None:
+    """A second prompt with the first's 20-token beginning copies 16 of them (two 8-token blocks, the
+    default granularity); usage and /metrics say so, and the output is still the target's alone."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    g = random.Random(5)
+    system = [g.randrange(100, 500) for _ in range(20)]
+    first, second = system + [11, 12, 13], system + [21, 22]
+    before = metric(scrape_metrics(server.url), "domino_prompt_tokens_cached_total")
+    one = client.completions.create(model=MODEL, prompt=first, max_tokens=8, temperature=0)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    two = client.completions.create(model=MODEL, prompt=second, max_tokens=8, temperature=0)
+    assert two.usage.prompt_tokens_details.cached_tokens == 16
+    assert two.choices[0].text == greedy_reference(second, 8)[1]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=second, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16
+    assert metric(scrape_metrics(server.url), "domino_prompt_tokens_cached_total") - before == 32

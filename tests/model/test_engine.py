@@ -7,6 +7,7 @@ import torch
 
 from model.drafter import DraftResult
 from model.engine import ContextLengthError, Engine, SamplingParams, _Row
+from model.prefix_cache import _Block
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
@@ -410,3 +411,68 @@ def test_split_prefill_fills_both_caches_as_one_forward_does() -> None:
             torch.testing.assert_close(a[i, :, :n], b[i, :, :n], atol=1e-5, rtol=1e-5)
         for a, b in zip(split.draft_cache.keys, whole.draft_cache.keys):
             torch.testing.assert_close(a[i, :, :n], b[i, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def _shared_beginning_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 120, (21,), generator=g).tolist()
+    tails = [torch.randint(3, 120, (n,), generator=g).tolist() for n in (5, 1, 9, 3, 14)]
+    return [system + t for t in tails] + [system[:10] + tails[0]]  # the last shares only 10 tokens
+
+
+@pytest.mark.parametrize("mode", ["ar", "domino"])
+def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str) -> None:
+    """Prompts beginning alike copy the stored blocks (block 4: 20 of the 21 shared tokens, 8 of the
+    10 the last prompt shares) and forward the rest; every output is still the target's alone."""
+    model = tiny_target()
+    prompts = _shared_beginning_prompts()
+    refs = [_hf_greedy(model, p, 10) for p in prompts]
+    engine = _engine(model, mode, 2, prefix_cache_tokens=256, prefix_block_size=4)
+    results = engine.generate(prompts[:1], SamplingParams(max_new_tokens=10))  # fills the cache
+    results += engine.generate(prompts[1:], SamplingParams(max_new_tokens=10))
+    assert [t for t, _, _ in results] == refs
+    cached = [s.cached_prompt_tokens for _, s, _ in results]
+    # Prompt 2 is the 21 shared tokens plus one: all 5 shared blocks. Rows admitted together
+    # (2 and 3, then 4 and 5) find what earlier admissions stored.
+    assert cached == [0, 20, 20, 20, 20, 8]
+    assert engine.prefix_cache.hit_tokens == sum(cached)
+    assert engine.prefix_cache.num_tokens <= 256
+
+
+def test_prefix_cache_fills_both_caches_as_a_full_prefill_does() -> None:
+    model = tiny_target()
+    first, second = _shared_beginning_prompts()[:2]
+    engines = []
+    for tokens in (256, 0):
+        engine = _engine(model, "domino", 2, prefix_cache_tokens=tokens, prefix_block_size=4)
+        engine.generate([first], SamplingParams(max_new_tokens=2))
+        engine.add_request("r", second, SamplingParams(max_new_tokens=4))
+        engine.step()  # the prefill
+        engines.append(engine)
+    reused, computed = engines
+    assert reused.rows[0].stats.cached_prompt_tokens == 20 and computed.prefix_cache is None
+    n = len(second)
+    assert reused.cache.lengths[0] == computed.cache.lengths[0] == n
+    assert reused.draft_cache.lengths[0] == computed.draft_cache.lengths[0] == n
+    for a, b in zip(reused.cache.keys + reused.cache.values, computed.cache.keys + computed.cache.values):
+        torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=1e-5)
+    for a, b in zip(
+        reused.draft_cache.keys + reused.draft_cache.values, computed.draft_cache.keys + computed.draft_cache.values
+    ):
+        torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_cache_evicts_to_its_budget_and_checks_tokens_not_just_hashes() -> None:
+    model = tiny_target()
+    prompts = _prompts(8)
+    refs = [_hf_greedy(model, p, 6) for p in prompts]
+    engine = _engine(model, "domino", 1, prefix_cache_tokens=8, prefix_block_size=4)  # two blocks
+    assert [t for t, _, _ in engine.generate(prompts + prompts, SamplingParams(max_new_tokens=6))] == refs + refs
+    cache = engine.prefix_cache
+    assert cache.num_tokens <= 8 and len(cache.blocks) <= 2
+    # A stored block whose key matches but whose tokens differ (as a hash collision would) is never used.
+    probe = list(range(40, 52))
+    cache.blocks.clear()
+    key, _ = cache._chain(probe)[0]
+    cache.blocks[key] = _Block((1, 2, 3, 4), None, [])
+    assert cache.lookup(probe) == []
