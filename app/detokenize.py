@@ -109,7 +109,7 @@ class TokenText:
 @dataclass
 class LogprobEntry:
     token: TokenText
-    logprob: float
+    logprob: float | None  # None: the prompt's first token (nothing comes before it)
     top: list[tuple[TokenText, float]]
 
 
@@ -195,3 +195,13 @@ class OutputProcessor:
                 LogprobEntry(tt(lp.token_id), lp.logprob, [(tt(t), v) for t, v in lp.top]) for lp in lps[: len(ids)]
             ]
         return text, entries, hit
+
+    def prompt_entries(self, prompt_ids: Sequence[int], out: RequestOutput) -> list[LogprobEntry] | None:
+        """The prompt's logprobs (SamplingParams.prompt_logprobs), its first token's being None."""
+        if out.prompt_logprobs is None or not prompt_ids:
+            return None
+        tt = self.token_texts
+        first = LogprobEntry(tt(prompt_ids[0]), None, [])
+        return [first] + [
+            LogprobEntry(tt(lp.token_id), lp.logprob, [(tt(t), v) for t, v in lp.top]) for lp in out.prompt_logprobs
+        ]

@@ -8,14 +8,16 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, bad_request
+from app.nesting import MAX_JSON_DEPTH, json_depth
 
 REPLICA_HEADER = b"x-domino-replica"
 
 
 class GuardMiddleware:
-    """401 for /v1 routes without the right bearer token; 415 for POST bodies that are not JSON; 413
-    for bodies over the limit; 408 for a body not received within body_timeout seconds (a client
-    trickling its body must not hold a connection and a request slot for ever).
+    """401 for /v1 routes (and /tokenize, /detokenize) without the right bearer token; 415 for POST
+    bodies that are not JSON; 413 for bodies over the limit; 400 for bodies nested too deeply; 408 for
+    a body not received within body_timeout seconds (a client trickling its body must not hold a
+    connection and a request slot for ever).
 
     The body is read here (bounded) and replayed to the app, so the limit holds whether or not the
     client sent Content-Length, and FastAPI never sees an oversized body.
@@ -44,7 +46,7 @@ class GuardMiddleware:
         if self.replica_header is not None:
             send = self._with_replica_header(send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope.get("path", "").startswith("/v1") and not self._authorized(headers):
+        if self.api_key is not None and _needs_key(scope.get("path", "")) and not self._authorized(headers):
             err = APIError(
                 401,
                 "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -86,6 +88,14 @@ class GuardMiddleware:
             await err.response()(scope, receive, send)
             return
         if body is None:
+            return
+        if body and json_depth(body) > MAX_JSON_DEPTH:
+            # Before FastAPI parses it: a body nested ~1,000 deep would reach a RecursionError (a 500).
+            err = bad_request(
+                f"the request body nests arrays/objects more than {MAX_JSON_DEPTH} levels deep",
+                code="too_deeply_nested",
+            )
+            await err.response()(scope, receive, send)
             return
         replayed = False
 
@@ -139,6 +149,14 @@ class GuardMiddleware:
             headers={"Connection": "close"},
         )
         await err.response()(scope, receive, send)
+
+
+# Routes that do work for a client sit behind the API key; /health, /metrics and /version do not.
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1") or path.rstrip("/") in KEYED_PATHS
 
 
 def _is_json(content_type: bytes) -> bool:

@@ -30,7 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from model.engine import SamplingParams
+from app.nesting import MAX_JSON_DEPTH, json_depth
+from model.requests import SamplingParams
 
 MAX_LOGPROBS = 5  # top alternatives per token, as OpenAI allows for completions
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -123,6 +124,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension (guidellm always sends it): usage so far on every chunk.
+    continuous_usage_stats: bool = False
 
 
 class IgnoredFields(_Request):
@@ -150,6 +153,15 @@ class SamplingFields(IgnoredFields):
     ignore_eos: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options", mode="after")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI answers: options for a stream that is not asked for are a client mistake.
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return value
+
     # Logits processors (model/logits_processors.py), exact under speculation.
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's, over the generated tokens")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's, over the generated tokens")
@@ -170,7 +182,8 @@ class SamplingFields(IgnoredFields):
     @classmethod
     def _bias_entries(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit() or len(key) > 12:
+            # ASCII digits only: str.isdigit() also takes "²" or "٣", which int() rejects or reads.
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
@@ -197,6 +210,8 @@ class SamplingFields(IgnoredFields):
     @classmethod
     def _stop_size(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
+            raise ValueError("a stop string must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
         # errors="replace": a lone surrogate is reported by the scalar check, not here.
@@ -217,7 +232,7 @@ class SamplingFields(IgnoredFields):
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=0 if self.top_k is None or self.top_k < 0 else self.top_k,
-            seed=self.seed + seed_offset if self.seed is not None else None,
+            seed=self.seed + seed_offset if self.seed is not None else None,  # the engine hashes it
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
@@ -232,8 +247,10 @@ class SamplingFields(IgnoredFields):
 class CompletionRequest(SamplingFields):
     # str | list[str] | list[int] | list[list[int]]; checked by hand for a readable error.
     prompt: Any
-    max_tokens: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0, description="0 only with echo: score the prompt, generate nothing")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with echo, the prompt's tokens get theirs too (the first: null)"
+    )
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1, description="only equal to n: best-of selection is not implemented")
     suffix: str | None = _unsupported("only empty: insertion is not implemented")
@@ -275,6 +292,14 @@ class FunctionCallIn(_Request):
     name: str = Field(max_length=256)
     arguments: str = Field(description="the call's arguments: a JSON object, as a string")
 
+    @field_validator("arguments", mode="after")
+    @classmethod
+    def _bounded_nesting(cls, value: str) -> str:
+        # Parsed for the chat template: bounded like the body itself (app/nesting.py).
+        if json_depth(value) > MAX_JSON_DEPTH:
+            raise ValueError(f"nests more than {MAX_JSON_DEPTH} levels deep")
+        return value
+
 
 class ToolCallIn(_Request):
     """A call an earlier assistant message made (history)."""
@@ -306,6 +331,12 @@ class ChatMessage(_Request):
 
     @model_validator(mode="after")
     def _fields_of_the_role(self) -> ChatMessage:
+        # As OpenAI answers: every message but an assistant's carrying tool calls needs content.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(
+                "content is required"
+                + (" (an assistant message without tool_calls needs content)" if self.role == "assistant" else "")
+            )
         if self.role != "assistant" and (self.tool_calls is not None or self.reasoning_content is not None):
             raise ValueError("tool_calls and reasoning_content belong to assistant messages")
         if self.role == "tool" and not self.tool_call_id:
@@ -348,17 +379,9 @@ class FunctionDef(_Request):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = Field(None, description="true is not supported (needs constrained decoding)")
-
-    @field_validator("strict", mode="after")
-    @classmethod
-    def _not_strict(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError(
-                "not supported yet: strict schema adherence needs constrained decoding, which this server does "
-                "not have yet"
-            )
-        return value
+    strict: bool | None = Field(
+        None, description="true: the call's arguments follow `parameters` (constrained decoding), under auto too"
+    )
 
 
 class JsonSchemaFormat(_Request):
@@ -534,6 +557,15 @@ class CompletionLogprobs(_Response):
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def extended(self, more: CompletionLogprobs) -> CompletionLogprobs:
+        """These entries followed by more's (the prompt's, then the completion's)."""
+        return CompletionLogprobs(
+            tokens=self.tokens + more.tokens,
+            token_logprobs=self.token_logprobs + more.token_logprobs,
+            top_logprobs=self.top_logprobs + more.top_logprobs,
+            text_offset=self.text_offset + more.text_offset,
+        )
 
 
 class CompletionChoice(_Response):

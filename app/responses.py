@@ -25,6 +25,7 @@ from app.protocol import (
     CompletionLogprobs,
     PromptTokensDetails,
     SpecDecodeStats,
+    StreamOptions,
     TopLogprob,
     Usage,
 )
@@ -67,7 +68,8 @@ def completion_logprobs(entries: Sequence[LogprobEntry], offset: int) -> tuple[C
     for e in entries:
         lp.tokens.append(e.token.text)
         lp.token_logprobs.append(e.logprob)
-        lp.top_logprobs.append({t.text: v for t, v in e.top})
+        # The prompt's first token has no logprob, and no alternatives either (null, as OpenAI's).
+        lp.top_logprobs.append({t.text: v for t, v in e.top} if e.logprob is not None else None)
         lp.text_offset.append(offset)
         offset += len(e.token.text) if not e.token.text.startswith("bytes:") else 0
     return lp, offset
@@ -78,7 +80,7 @@ def chat_logprobs(entries: Sequence[LogprobEntry]) -> ChatLogprobs:
         content=[
             ChatTokenLogprob(
                 token=e.token.text,
-                logprob=e.logprob,
+                logprob=e.logprob if e.logprob is not None else 0.0,  # chat never scores its prompt
                 bytes=e.token.bytes,
                 top_logprobs=[TopLogprob(token=t.text, logprob=v, bytes=t.bytes) for t, v in e.top],
             )
@@ -113,6 +115,7 @@ class ChoiceResult:
     finish_reason: str | None
     stats: RequestStats
     num_tokens: int  # tokens generated (a stop token included)
+    prompt_logprobs: list[LogprobEntry] | None = None  # echo with logprobs
 
     @classmethod
     def from_events(cls, events: list[SeqEvent]) -> ChoiceResult:
@@ -125,6 +128,7 @@ class ChoiceResult:
             finish_reason=last.finish_reason,
             stats=last.stats or RequestStats(),
             num_tokens=sum(e.num_tokens for e in events),
+            prompt_logprobs=events[0].prompt_logprobs,
         )
 
 
@@ -180,13 +184,14 @@ async def collect(request: Request, service: Service, handle: RequestHandle) -> 
 class StreamFormat(Protocol):
     """How one endpoint renders its SSE chunks."""
 
-    def opening(self, num_choices: int) -> list[str]:
-        """Chunks sent before any event."""
+    def opening(self, num_choices: int, running: Usage | None = None) -> list[str]:
+        """Chunks sent before any event (`running`: the usage, with continuous_usage_stats)."""
         ...
 
-    def event(self, event: SeqEvent, spec: SpecDecodeStats | None) -> str | None:
+    def event(self, event: SeqEvent, spec: SpecDecodeStats | None, running: Usage | None = None) -> str | None:
         """The chunk for one event (None: nothing to send). `spec` is set on the last event of the
-        request when no usage tail follows."""
+        request when no usage tail follows; `running` is the usage so far, to be sent on the chunk
+        (stream_options.continuous_usage_stats; then a chunk is always sent)."""
         ...
 
     def tail(self, usage: Usage, spec: SpecDecodeStats) -> str:
@@ -195,16 +200,19 @@ class StreamFormat(Protocol):
 
 
 async def stream_events(
-    service: Service, handle: RequestHandle, fmt: StreamFormat, prompt_tokens: int, include_usage: bool, n: int
+    service: Service, handle: RequestHandle, fmt: StreamFormat, prompt_tokens: int, options: StreamOptions, n: int
 ) -> AsyncIterator[str]:
     """The SSE body: the endpoint's chunks, then the usage tail (if asked) and [DONE]; a failed choice
     ends the stream with an error event. Whatever still runs is aborted when the stream ends or the
-    client goes away (this generator is then cancelled)."""
+    client goes away (this generator is then cancelled). With continuous_usage_stats (vLLM's
+    extension) every chunk carries the usage so far."""
+    include_usage = options.include_usage
     choice_stats: list[RequestStats] = []
     completion_tokens, finished = 0, 0
     num_choices = len(handle.specs)
     try:
-        for chunk in fmt.opening(num_choices):
+        opened = usage(prompt_tokens, 0, RequestStats(), n) if options.continuous_usage_stats else None
+        for chunk in fmt.opening(num_choices, opened):
             yield chunk
         while finished < num_choices:
             event = await handle.events.get()
@@ -220,7 +228,10 @@ async def stream_events(
                 choice_stats.append(event.stats or RequestStats())
                 if finished == num_choices and not include_usage:
                     spec = spec_decode_field(RequestStats.summed(choice_stats))
-            chunk = fmt.event(event, spec)
+            running = None
+            if options.continuous_usage_stats:
+                running = usage(prompt_tokens, completion_tokens, RequestStats.summed(choice_stats), n)
+            chunk = fmt.event(event, spec, running)
             if chunk is not None:
                 yield chunk
         if include_usage:

@@ -255,6 +255,7 @@ class Service:
         n: int,
         logprobs: int | None,
         grammar: Grammar | None = None,
+        prompt_logprobs: int | None = None,
     ) -> list[SequenceSpec]:
         """Choice index = prompt index * n + sample index (OpenAI's order); seeds advance per sample."""
         out = []
@@ -269,6 +270,7 @@ class Service:
                 params = body.sampling_params(max_tokens, logprobs, seed_offset=j)
                 params.bad_words_ids = bad_words
                 params.grammar = grammar
+                params.prompt_logprobs = prompt_logprobs
                 out.append(SequenceSpec(pi * n + j, prompt.ids, params, tuple(body.stop_list)))
         return out
 

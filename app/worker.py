@@ -70,6 +70,7 @@ class SeqEvent:
     stats: RequestStats | None = None  # on the final event (a copy: the engine keeps counting)
     error: str | None = None
     unavailable: bool = False  # the error is the server going away, not the request failing
+    prompt_logprobs: list[LogprobEntry] | None = None  # on the first event, when the prompt was scored
 
 
 ProcessorFactory = Callable[[SequenceSpec, Any, TokenTexts], OutputProcessor]
@@ -390,6 +391,7 @@ class EngineWorker:
         elif stop_hit:
             finish = "stop"
         event = SeqEvent(state.spec.index, text, n_new, logprobs, finish, error=out.error)
+        event.prompt_logprobs = state.processor.prompt_entries(state.spec.prompt_ids, out)
         if finish is not None:
             event.stats = _stats(out)
             m.e2e_latency.observe(t1 - state.arrival)

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from model.costs import NgramAcceptance, prior_curve_for
@@ -46,6 +47,7 @@ from model.static import StaticSteps, batch_buckets, verify_widths
 from model.target import TargetModel, TargetOutput
 
 MODES = ("domino", "dflash", "ngram", "ar")
+PROMPT_LOGPROB_CHUNK = 256  # prompt positions per LM-head call when scoring a prompt
 PROPOSERS = ("drafter", "ngram")
 
 
@@ -54,7 +56,7 @@ class _Row:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    generator: np.random.Generator  # the row's uniforms (seed_generator)
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     anchor: int = -1
@@ -82,6 +84,12 @@ class _Drafts:
     token_probs: torch.Tensor  # [R, k] the proposer's probability of each draft (1 for a copy)
     counts: torch.Tensor  # [R] drafts verified
     from_ngram: torch.Tensor  # [R] bool: the drafts are the row's n-gram copy
+
+
+def seed_generator(seed: int) -> np.random.Generator:
+    """A row's random stream. The whole 64-bit seed counts (NumPy's SeedSequence hashes it): torch's CPU
+    generator keeps only the low 32 bits, so seeds 7 and 7 + 2**32 would sample the same text."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed % 2**64)))
 
 
 def _check_engine_args(mode: str, drafter: Drafter | None, draft_policy: str) -> None:
@@ -290,7 +298,7 @@ class Engine:
             request_id=request_id,
             prompt_ids=list(prompt_ids),
             params=params,
-            generator=torch.Generator().manual_seed(seed),
+            generator=seed_generator(seed),
             stop_ids=frozenset(stop_ids),
         )
         row.processor = new_row_processor(params, row.prompt_ids, row.stop_ids, self.target.vocab_size, self.device)
@@ -355,13 +363,13 @@ class Engine:
         if self.waiting and len(self.rows) < self.max_batch_size:
             free = self.max_batch_size - len(self.rows)
             new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-            states = [row.generator.get_state() for row in new]
+            states = [row.generator.bit_generator.state for row in new]
             try:
                 outputs.extend(self._prefill(new))
             except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
                 del self.rows[len(self.rows) - len(new) :]
                 for row, state in zip(new, states):
-                    row.generator.set_state(state)  # the retry draws the same random numbers
+                    row.generator.bit_generator.state = state  # the retry draws the same random numbers
                 for row in new:
                     try:
                         outputs.extend(self._prefill([row]))
@@ -370,12 +378,12 @@ class Engine:
                             self.rows.pop()
                         outputs.append(self._error_output(row, exc))
         elif self.rows:
-            states = [row.generator.get_state() for row in self.rows]
+            states = [row.generator.bit_generator.state for row in self.rows]
             try:
                 outputs.extend(self._decode())
             except Exception:  # noqa: BLE001 - retry row by row; caches only advance on success
                 for row, state in zip(self.rows, states):
-                    row.generator.set_state(state)  # the retry draws the same random numbers
+                    row.generator.bit_generator.state = state  # the retry draws the same random numbers
                 failed = []
                 for i in range(len(self.rows)):
                     try:
@@ -429,7 +437,7 @@ class Engine:
         if not sampled:
             return torch.zeros(len(rows), count, device=self.device)
         u = torch.zeros(len(rows), count)
-        u[sampled] = torch.stack([torch.rand(count, generator=rows[i].generator) for i in sampled])
+        u[sampled] = torch.from_numpy(np.stack([rows[i].generator.random(count, dtype=np.float32) for i in sampled]))
         return u.to(self.device)
 
     def _sample_target(self, logits: torch.Tensor, sampling: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
@@ -457,6 +465,16 @@ class Engine:
             out.append(TokenLogprob(tok, val, top))
         return out
 
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprob]:
+        """Logprobs of prompt tokens 1..n-1 from one row's prefill hidden states [T, H] (position t
+        predicts token t + 1). The LM head runs in chunks: [T, V] logits of a long prompt would be
+        hundreds of MB."""
+        out: list[TokenLogprob] = []
+        for s in range(0, len(prompt_ids) - 1, PROMPT_LOGPROB_CHUNK):
+            e = min(s + PROMPT_LOGPROB_CHUNK, len(prompt_ids) - 1)
+            out += self._logprobs(self.target.lm_head(hidden[s:e]), prompt_ids[s + 1 : e + 1], top_n)
+        return out
+
     def _commit(self, row: _Row, tokens: list[int]) -> tuple[list[int], str | None, int | None]:
         """Append tokens to a row, stopping exactly at a stop token or the token budget."""
         emitted: list[int] = []
@@ -476,7 +494,13 @@ class Engine:
         self.policy.on_admit()
         t0 = time.perf_counter()
         # Each row forwards its prompt after the beginning found in the prefix cache (if any).
-        hits = {id(r): self.prefix_cache.lookup(r.prompt_ids) if self.prefix_cache else [] for r in new}
+        # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
+        hits = {
+            id(r): self.prefix_cache.lookup(r.prompt_ids)
+            if self.prefix_cache and r.params.prompt_logprobs is None
+            else []
+            for r in new
+        }
         block = self.prefix_cache.block_size if self.prefix_cache else 0
         cached = {id(r): len(hits[id(r)]) * block for r in new}
         new = sorted(new, key=lambda r: len(r.prompt_ids) - cached[id(r)])
@@ -492,14 +516,27 @@ class Engine:
                 self.prefix_cache.load(lo + i, hits[id(row)])
         groups = prefill_groups(lengths, self.prefill_split_tokens)
         logits_parts, features = [], []
+        prompt_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
         for a, b in groups:
             tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=self.device)
             for i in range(a, b):
                 tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids[starts[i] :], device=self.device)
             self.cache.lengths[lo + a : lo + b] = start_t[a:b]
+            scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None]
             out = self.target.forward(
-                self.cache, lo + a, tokens, logits_at=lens[a:b] - 1, want_features=self.want_features, taps=self.taps
+                self.cache,
+                lo + a,
+                tokens,
+                logits_at=lens[a:b] - 1,
+                want_features=self.want_features,
+                taps=self.taps,
+                keep_hidden=bool(scored),
             )
+            for i in scored:
+                assert out.hidden is not None
+                top_n = new[i].params.prompt_logprobs
+                assert top_n is not None
+                prompt_logprobs[i] = self._prompt_logprobs(out.hidden[i - a], new[i].prompt_ids, top_n)
             logits_parts.append(out.logits[:, 0])
             features.append(out.features)
         logits = torch.cat(logits_parts)
@@ -526,12 +563,25 @@ class Engine:
         for g, (a, b) in enumerate(groups):
             for i in range(a, b):
                 row, tok = new[i], first[i]
-                emitted, reason, stop_tok = self._commit(row, [tok])
-                if row.processor is not None:
-                    row.processor.commit(emitted)
+                if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
+                    emitted, reason, stop_tok, token_logprobs = [], "length", None, None
+                else:
+                    emitted, reason, stop_tok = self._commit(row, [tok])
+                    token_logprobs = logprobs[i]
+                    if row.processor is not None:
+                        row.processor.commit(emitted)
                 row.anchor = tok
                 outputs.append(
-                    RequestOutput(row.request_id, emitted, reason is not None, reason, row.stats, logprobs[i], stop_tok)
+                    RequestOutput(
+                        row.request_id,
+                        emitted,
+                        reason is not None,
+                        reason,
+                        row.stats,
+                        token_logprobs,
+                        stop_tok,
+                        prompt_logprobs=prompt_logprobs[i],
+                    )
                 )
                 if self.capture:
                     feats = features[g]

@@ -21,7 +21,7 @@ class ContextLengthError(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 16
+    max_new_tokens: int = 16  # 0: score the prompt only (prompt_logprobs), generate nothing
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -29,6 +29,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many top alternatives per token (None: no logprobs)
+    # Log-probabilities of the prompt's tokens 1..n-1 from the target's prefill, with this many top
+    # alternatives each (None: none). Such a prompt is forwarded whole: no prefix-cache hit.
+    prompt_logprobs: int | None = None
     # Logits processors (model/logits_processors.py), applied to the target at every verify position.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -39,8 +42,8 @@ class SamplingParams:
     grammar: Any = None  # model.grammar.Grammar: its matcher masks the target; None: free text
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -49,6 +52,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
 
 @dataclass
@@ -107,6 +112,9 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_token_id: int | None = None  # the stop/EOS token that ended the request, if any
     error: str | None = None
+    # With SamplingParams.prompt_logprobs, on the prefill output: prompt tokens 1..n-1 (the first
+    # token has no logprob: nothing comes before it).
+    prompt_logprobs: list[TokenLogprob] | None = None
     step_draft_tokens: int = 0  # drafts verified for this request in this step
     step_accepted: list[int] = field(default_factory=list)  # accepted draft slots in this step
     is_verify_step: bool = False

@@ -84,6 +84,7 @@ class RaggedKVCache(Cache):
 class TargetOutput:
     logits: torch.Tensor  # [R, T, V] (or [R, 1, V] when only the last position was asked for)
     features: torch.Tensor | None  # [R, T, K*H] concatenated taps, when taps are set
+    hidden: torch.Tensor | None = None  # [R, T, H] final hidden states, with keep_hidden (prompt logprobs)
 
 
 class TargetModel:
@@ -146,6 +147,7 @@ class TargetModel:
         want_features: bool = True,
         static: bool = False,
         taps: list[int] | None = None,
+        keep_hidden: bool = False,
     ) -> TargetOutput:
         """Run tokens [R, T] for slots lo..lo+R-1, placed at each row's current cache length.
 
@@ -154,7 +156,8 @@ class TargetModel:
         head (prefill); otherwise logits for all T positions are returned. `taps` picks the tapped
         layers concatenated into the features (default: all of them). `static` attends over
         the cache's whole capacity: shapes depend only on [R, T] and nothing is read back to the
-        host (model/static.py captures this in CUDA graphs).
+        host (model/static.py captures this in CUDA graphs). `keep_hidden` also returns every
+        position's final hidden state, for the caller to apply the LM head in chunks (prompt logprobs).
         """
         r, t = tokens.shape
         start = cache.lengths[lo : lo + r]
@@ -167,7 +170,7 @@ class TargetModel:
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
         self._captured.clear()
         out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-        hidden = out.last_hidden_state
+        hidden = all_hidden = out.last_hidden_state
         if logits_at is not None:
             hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]
         logits = self.lm_head(hidden)
@@ -176,4 +179,4 @@ class TargetModel:
         if want_features and taps:
             features = torch.cat([self._captured[i] for i in taps], dim=-1)
         self._captured.clear()
-        return TargetOutput(logits=logits, features=features)
+        return TargetOutput(logits=logits, features=features, hidden=all_hidden if keep_hidden else None)

@@ -20,6 +20,7 @@ from app.protocol import (
     DeltaMessage,
     FunctionCallOut,
     SpecDecodeStats,
+    StreamOptions,
     ToolCallDelta,
     ToolCallOut,
     Usage,
@@ -66,12 +67,12 @@ class ChatStream:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return sse(data, omit_none=self.omit)
 
-    def opening(self, num_choices: int) -> list[str]:
+    def opening(self, num_choices: int, running: Usage | None = None) -> list[str]:
         # OpenAI opens every choice with the assistant role and empty content.
         delta = DeltaMessage(role="assistant", content="")
-        return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None) for i in range(num_choices)]
+        return [self._chunk([ChatStreamChoice(index=i, delta=delta)], None, running) for i in range(num_choices)]
 
-    def event(self, event: SeqEvent, spec: SpecDecodeStats | None) -> str | None:
+    def event(self, event: SeqEvent, spec: SpecDecodeStats | None, running: Usage | None = None) -> str | None:
         i = event.index
         parsed = self.parsers[i].feed(event.text, final=event.finish_reason is not None)
         calls = []
@@ -82,7 +83,8 @@ class ChatStream:
                 )
             )
             self.calls[i] += 1
-        if not (parsed.reasoning or parsed.content or calls) and event.finish_reason is None and not event.logprobs:
+        nothing = not (parsed.reasoning or parsed.content or calls) and not event.logprobs
+        if nothing and event.finish_reason is None and running is None:
             return None
         delta = DeltaMessage(
             reasoning_content=parsed.reasoning or None, content=parsed.content or None, tool_calls=calls or None
@@ -90,7 +92,7 @@ class ChatStream:
         logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
         finish = finish_reason(event.finish_reason, self.calls[i] > 0)
         choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
-        return self._chunk([choice], spec)
+        return self._chunk([choice], spec, running)
 
     def tail(self, totals: Usage, spec: SpecDecodeStats) -> str:
         return self._chunk([], spec, totals)
@@ -120,11 +122,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     rid, created = new_id("chatcmpl"), now()
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options or StreamOptions()
         fmt = ChatStream(
-            rid, created, service.model_name, include_usage, n, lambda: service.chat_parser(body, prompt_text)
+            rid, created, service.model_name, options.include_usage, n, lambda: service.chat_parser(body, prompt_text)
         )
-        return sse_response(stream_events(service, handle, fmt, len(ids), include_usage, n))
+        return sse_response(stream_events(service, handle, fmt, len(ids), options, n))
 
     results = await collect(request, service, handle)
     if results is None:

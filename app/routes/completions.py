@@ -10,7 +10,16 @@ from fastapi.responses import JSONResponse, Response
 
 from app.deps import ServiceDep
 from app.errors import ERROR_RESPONSES, bad_request
-from app.protocol import CompletionChoice, CompletionRequest, CompletionResponse, SpecDecodeStats, Usage, new_id, now
+from app.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    SpecDecodeStats,
+    StreamOptions,
+    Usage,
+    new_id,
+    now,
+)
 from app.responses import (
     collect,
     completion_logprobs,
@@ -54,23 +63,26 @@ class CompletionStream:
         # With include_usage every chunk carries "usage": null, as OpenAI's do.
         self.omit: tuple[str, ...] = ("spec_decode",) if include_usage else ("usage", "spec_decode")
 
-    def opening(self, num_choices: int) -> list[str]:
+    def opening(self, num_choices: int, running: Usage | None = None) -> list[str]:
         return []
 
-    def event(self, event: SeqEvent, spec: SpecDecodeStats | None) -> str | None:
+    def event(self, event: SeqEvent, spec: SpecDecodeStats | None, running: Usage | None = None) -> str | None:
         i, text = event.index, event.text
+        logprobs = None
         if not self.started[i]:
             self.started[i] = True
             text = self.echo_text(i) + text
+            if event.prompt_logprobs is not None:  # echo with logprobs: the prompt's come first
+                logprobs = completion_logprobs(event.prompt_logprobs, 0)[0]
             self.offsets[i] = len(self.echo_text(i))
-        if not text and event.finish_reason is None and not event.logprobs:
+        if not text and event.finish_reason is None and not event.logprobs and running is None:
             return None
-        logprobs = None
         if event.logprobs is not None:
-            logprobs, self.offsets[i] = completion_logprobs(event.logprobs, self.offsets[i])
+            generated, self.offsets[i] = completion_logprobs(event.logprobs, self.offsets[i])
+            logprobs = generated if logprobs is None else logprobs.extended(generated)
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=event.finish_reason)
         chunk = CompletionResponse(
-            id=self.rid, created=self.created, model=self.model, choices=[choice], spec_decode=spec
+            id=self.rid, created=self.created, model=self.model, choices=[choice], usage=running, spec_decode=spec
         )
         return sse(chunk, omit_none=self.omit)
 
@@ -87,10 +99,8 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     raw_prompts = _split_prompts(body.prompt)
     n = service.check_counts(body, len(raw_prompts))
     echo = bool(body.echo)
-    if echo and body.logprobs is not None:
-        raise bad_request(
-            "echo: logprobs of the prompt are not available; do not combine echo with logprobs", param="echo"
-        )
+    if body.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens: 0 is only accepted with echo (scoring the prompt)", param="max_tokens")
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     service.check_capacity(n * len(raw_prompts))
     prompts = await service.prepare(_tokenize, service, raw_prompts, param="prompt")
@@ -99,7 +109,9 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     echo_texts: list[str] = []
     if echo:
         echo_texts = [pr.text if pr.text is not None else service.decode(pr.ids) for pr in prompts]
-    specs = service.specs(body, [(pr, max_tokens) for pr in prompts], n, body.logprobs)
+    # echo with logprobs scores the prompt too (lm-eval's loglikelihood), from the target's prefill.
+    prompt_logprobs = body.logprobs if echo else None
+    specs = service.specs(body, [(pr, max_tokens) for pr in prompts], n, body.logprobs, prompt_logprobs=prompt_logprobs)
     handle = await service.submit(specs)
     prompt_tokens = sum(len(pr.ids) for pr in prompts)
     rid, created = new_id("cmpl"), now()
@@ -108,9 +120,9 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
         return echo_texts[index // n] if echo else ""
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = CompletionStream(rid, created, service.model_name, echo_text, len(specs), include_usage)
-        return sse_response(stream_events(service, handle, fmt, prompt_tokens, include_usage, n))
+        options = body.stream_options or StreamOptions()
+        fmt = CompletionStream(rid, created, service.model_name, echo_text, len(specs), options.include_usage)
+        return sse_response(stream_events(service, handle, fmt, prompt_tokens, options, n))
 
     results = await collect(request, service, handle)
     if results is None:
@@ -118,7 +130,11 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     choices = []
     for index, result in enumerate(results):
         prefix = echo_text(index)
-        logprobs = completion_logprobs(result.logprobs, len(prefix))[0] if body.logprobs is not None else None
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(result.logprobs, len(prefix))[0]
+            if result.prompt_logprobs is not None:
+                logprobs = completion_logprobs(result.prompt_logprobs, 0)[0].extended(logprobs)
         choices.append(
             CompletionChoice(
                 index=index, text=prefix + result.text, logprobs=logprobs, finish_reason=result.finish_reason

@@ -173,6 +173,91 @@ def test_echo(client: httpx.Client, tok: Any, greedy_reference: Any) -> None:
     assert "".join(e["choices"][0]["text"] for e in events) == body["choices"][0]["text"]
 
 
+def _prompt_logprobs_reference(model: Any, ids: list[int]) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: httpx.Client, tiny_hf: tuple[Any, Any]) -> None:
+    """lm-eval's loglikelihood request: token-id prompts, echo, logprobs, max_tokens 0 or 1. The prompt's
+    logprobs are the target's own (HF's forward), the first one null; greedy continues as without echo."""
+    model, tok = tiny_hf
+    prompts = [tok.encode("The quick brown fox jumps"), tok.encode("Hello world, hello server")]
+    refs = [_prompt_logprobs_reference(model, ids) for ids in prompts]
+    body = client.post(
+        "/v1/completions",
+        json={"prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0},
+    ).json()
+    assert body["usage"]["completion_tokens"] == 0
+    for ids, ref, choice in zip(prompts, refs, body["choices"]):
+        lp = choice["logprobs"]
+        assert choice["text"] == tok.decode(ids) and choice["finish_reason"] == "length"
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        for t in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][t] - float(ref[t - 1, ids[t]])) < 1e-4
+            top = lp["top_logprobs"][t]
+            assert len(top) == 2 and abs(max(top.values()) - float(ref[t - 1].max())) < 1e-4
+        assert lp["text_offset"] == sorted(lp["text_offset"])
+    # max_tokens 1 (lm-eval's default): the prompt's entries, then the generated token's.
+    ids, ref = prompts[0], refs[0]
+    one = client.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    ).json()["choices"][0]
+    lp = one["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert abs(lp["token_logprobs"][-1] - float(ref[-1].max())) < 1e-4  # greedy: the argmax, scored
+    assert one["text"] == tok.decode(ids) + tok.decode([int(ref[-1].argmax())])
+    assert lp["text_offset"][-1] == len(tok.decode(ids))
+    # Streamed: the first chunk carries the prompt's logprobs; together they are the same.
+    events = stream_post(
+        client,
+        "/v1/completions",
+        {"prompt": ids, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0, "stream": True},
+    )
+    streamed = [x for e in events for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    whole = client.post(
+        "/v1/completions", json={"prompt": ids, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    ).json()["choices"][0]
+    assert streamed == whole["logprobs"]["token_logprobs"] and len(streamed) == len(ids) + 3
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+
+
+def test_continuous_usage_stats(client: httpx.Client) -> None:
+    """vLLM's extension, always sent by guidellm: the usage so far on every chunk."""
+    for path, extra in (
+        ("/v1/completions", {"prompt": "Hello world"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        events = stream_post(
+            client,
+            path,
+            {
+                **extra,
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+        )
+        usages = [e["usage"] for e in events]
+        assert all(u is not None for u in usages)
+        assert len({u["prompt_tokens"] for u in usages}) == 1
+        done = [u["completion_tokens"] for u in usages]
+        assert done == sorted(done) and done[-1] == 6 and events[-1]["choices"] == []
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    # Without it, the chunks carry usage: null (include_usage) as before.
+    events = stream_post(
+        client,
+        "/v1/completions",
+        {"prompt": "Hello", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert all(e["usage"] is None for e in events[:-1])
+
+
 def test_n_and_seeds(client: httpx.Client, tok: Any, greedy_reference: Any) -> None:
     req = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 1.0, "n": 3, "seed": 1234}
     a = client.post("/v1/completions", json=req).json()

@@ -75,7 +75,75 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
         400,
         "stream_options",
     ),
-    ("echo-with-logprobs", "POST", COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    # OpenAI's and vLLM's answers to what real clients got wrong (all were accepted once).
+    (
+        "stream-options-without-stream",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "x", "stream_options": {}},
+        400,
+        "stream_options",
+    ),
+    (
+        "chat-stream-options-stream-false",
+        "POST",
+        CHAT,
+        {"messages": OK_MESSAGES, "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
+    ("stop-empty", "POST", COMPLETIONS, {"prompt": "x", "stop": ""}, 400, "stop"),
+    ("stop-empty-in-list", "POST", CHAT, {"messages": OK_MESSAGES, "stop": ["a", ""]}, 400, "stop"),
+    ("chat-user-without-content", "POST", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0]"),
+    (
+        "chat-assistant-without-content-or-calls",
+        "POST",
+        CHAT,
+        {"messages": [*OK_MESSAGES, {"role": "assistant"}, *OK_MESSAGES]},
+        400,
+        "messages[1]",
+    ),
+    ("max-tokens-zero-without-echo", "POST", COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("logit-bias-superscript-digit", "POST", COMPLETIONS, {"prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias"),
+    ("logit-bias-circled-digit", "POST", COMPLETIONS, {"prompt": "x", "logit_bias": {"①": 1}}, 400, "logit_bias"),
+    ("logit-bias-arabic-digit", "POST", COMPLETIONS, {"prompt": "x", "logit_bias": {"٣": 1}}, 400, "logit_bias"),
+    ("logit-bias-signed", "POST", COMPLETIONS, {"prompt": "x", "logit_bias": {"+3": 1}}, 400, "logit_bias"),
+    (
+        "nested-metadata-990",
+        "POST",
+        COMPLETIONS,
+        b'{"prompt": "x", "metadata": {"a": ' + b"[" * 990 + b"]" * 990 + b"}}",
+        400,
+        None,
+    ),
+    (
+        "nested-schema-990",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+        b'"json_schema": {"name": "n", "schema": ' + b'{"a": ' * 990 + b"1" + b"}" * 990 + b"}}}",
+        400,
+        None,
+    ),
+    (
+        "nested-tool-call-arguments-990",
+        "POST",
+        CHAT,
+        {
+            "messages": [
+                *OK_MESSAGES,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 990 + "]" * 990}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ]
+        },
+        400,
+        "messages[1].tool_calls[0].function.arguments",
+    ),
     ("unknown-model", "POST", COMPLETIONS, {"prompt": "x", "model": "gpt-17"}, 404, "model"),
     ("chat-unknown-model", "POST", CHAT, {"messages": OK_MESSAGES, "model": "nope"}, 404, "model"),
     ("chat-messages-missing", "POST", CHAT, {"max_tokens": 3}, 400, "messages"),

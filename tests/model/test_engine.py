@@ -265,6 +265,21 @@ def test_seeded_sampling_same_alone_and_in_batch() -> None:
     assert different != alone
 
 
+def test_every_64_bit_seed_has_its_own_stream() -> None:
+    """torch's CPU generator keeps only a seed's low 32 bits; the engine hashes all 64."""
+    model = tiny_target()
+    prompt = _prompts(1)[0]
+
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(max_new_tokens=24, temperature=1.5, seed=seed)
+        return _engine(model, "ar", 1).generate([prompt], params)[0][0]
+
+    base = sample(7)
+    assert sample(7) == base
+    assert sample(7 + 2**32) != base
+    assert sample(-(2**63)) != sample(2**63 - 1)
+
+
 def test_logprobs_are_the_targets() -> None:
     model = tiny_target()
     prompt = _prompts(1)[0]
@@ -283,6 +298,44 @@ def test_logprobs_are_the_targets() -> None:
         assert lp.token_id == tokens[i]
         assert abs(lp.logprob - float(ref[i, tokens[i]])) < 1e-4
         assert [t for t, _ in lp.top] == ref[i].topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("mode", ["ar", "domino"])
+def test_prompt_logprobs_are_the_targets_forward(mode: str) -> None:
+    """Scoring (lm-eval's loglikelihood): prompt tokens 1..n-1 get the target's own log-probabilities
+    from the prefill, in a batch of ragged prompts split over several prefill forwards, with a prefix
+    cache that must not cut the scored prompt short; max_new_tokens 0 generates nothing, and a
+    generating row next to them is unchanged."""
+    model = tiny_target()
+    prompts = _prompts(4)
+    engine = _engine(model, mode, 4, prefill_split_tokens=0, prefix_cache_tokens=64, prefix_block_size=2)
+    engine.generate([prompts[1][:10]], SamplingParams(max_new_tokens=2))  # fills the prefix cache
+    params = [
+        SamplingParams(max_new_tokens=0, prompt_logprobs=2),
+        SamplingParams(max_new_tokens=5, prompt_logprobs=0, logprobs=1),
+        SamplingParams(max_new_tokens=7),
+        SamplingParams(max_new_tokens=0, prompt_logprobs=3),
+    ]
+    got: dict[int, list] = {}
+    outputs: list = []
+    results = engine.generate(prompts, params, on_output=lambda i, o: outputs.append((i, o)))
+    for i, out in outputs:
+        if out.prompt_logprobs is not None:
+            got[i] = out.prompt_logprobs
+    assert sorted(got) == [0, 1, 3]
+    assert results[0][0] == [] and results[0][2] == "length" and results[3][0] == []
+    assert results[2][0] == _hf_greedy(model, prompts[2], 7)
+    assert results[1][0] == _hf_greedy(model, prompts[1], 5)
+    for i, lps in got.items():
+        prompt = prompts[i]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+        assert [lp.token_id for lp in lps] == prompt[1:]
+        top_n = params[i].prompt_logprobs
+        for t, lp in enumerate(lps):
+            assert abs(lp.logprob - float(ref[t, prompt[t + 1]])) < 1e-4
+            assert [tok for tok, _ in lp.top] == ref[t].topk(top_n).indices.tolist()[:top_n]
+    assert engine.rows == [] and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("fail_at", [1, 4])
