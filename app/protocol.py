@@ -47,6 +47,9 @@ MAX_TOOLS = 128  # as OpenAI allows
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+# /tokenize and /detokenize: more than any served context holds, far less than the body limit allows.
+MAX_TOKENIZE_CHARS = 1 << 18
+MAX_DETOKENIZE_TOKENS = 1 << 17
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -488,7 +491,7 @@ class TokenizeRequest(_Request):
     template renders them for /v1/chat/completions."""
 
     model: str | None = None
-    prompt: str | None = Field(None, max_length=MAX_MESSAGE_CHARS * 8)
+    prompt: str | None = Field(None, max_length=MAX_TOKENIZE_CHARS)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = Field(True, description="prompt only: as /v1/completions does")
     add_generation_prompt: bool = True
@@ -513,7 +516,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
 
 
 # -- responses ------------------------------------------------------------------------------------

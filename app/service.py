@@ -18,6 +18,7 @@ from app.protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
 from app.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning, reasoning_mode
 from app.settings import Settings
 from app.tool_parser import CALL_START, ToolCallParser
+from app.tool_prompt import with_tool_prompt
 from app.worker import EngineWorker, Overloaded, RequestHandle, SequenceSpec, Unavailable
 from model.engine import Engine
 from model.grammar import Grammar, GrammarCompiler
@@ -74,8 +75,11 @@ class Service:
         self.template_kwargs = ALLOWED_TEMPLATE_KWARGS | _template_variables(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
         self.reasoning = reasoning_mode(settings.reasoning_parser, template)
-        # Tools only where the template shows them to the model and asks for calls in the format parsed.
-        self.supports_tools = "tools" in _template_names(template) and CALL_START in str(template)
+        # Tools where the template shows them to the model and asks for calls in the format parsed, or,
+        # for a template that cannot, where the tool prompt describes them (app/tool_prompt.py).
+        self.template_renders_tools = "tools" in _template_names(template) and CALL_START in str(template)
+        self.tool_prompt = settings.tool_prompt == "auto" and not self.template_renders_tools
+        self.supports_tools = self.template_renders_tools or self.tool_prompt
         # The rendered prompt may exceed the body only by the template's own text.
         self.max_rendered_chars = 4 * settings.max_request_bytes
         self._prepare_slots = asyncio.Semaphore(PREPARE_SLOTS)
@@ -165,8 +169,14 @@ class Service:
         if body.use_tools and not self.supports_tools:
             raise bad_request(
                 f"tools: not supported for this model: its chat template does not render tools with the "
-                f"Hermes/Qwen3 {CALL_START} format this server parses",
+                f"Hermes/Qwen3 {CALL_START} format this server parses (DOMINO_TOOL_PROMPT=auto would describe "
+                "them in the system prompt)",
                 param="tools",
+            )
+        if constrained == "tools_auto" and body.response_format is not None and body.response_format.type != "text":
+            raise bad_request(
+                "response_format: cannot be combined with strict tools (their calls are constrained already)",
+                param="response_format",
             )
 
     def chat_parser(self, body: ChatCompletionRequest, prompt_text: str) -> ChatOutputParser:
@@ -178,16 +188,25 @@ class Service:
         tools = None
         if body.use_tools:
             names = {t.function.name for t in body.tools or []}
-            tools = ToolCallParser(names, max_calls=1 if body.parallel_tool_calls is False else None)
+            tools = ToolCallParser(names, max_calls=1 if self.one_call(body) else None)
         return ChatOutputParser(reasoning, tools)
 
     @staticmethod
+    def one_call(body: ChatCompletionRequest) -> bool:
+        """At most one call: parallel_tool_calls false, or a named tool_choice (as OpenAI and vLLM
+        answer a forced function: one call of it)."""
+        return body.parallel_tool_calls is False or body.forced_tool is not None
+
+    @staticmethod
     def constrained(body: ChatCompletionRequest) -> str | None:
-        """What constrained decoding enforces for a chat request: "tools", "json" or None."""
+        """What constrained decoding enforces for a chat request: "tools" (only calls), "tools_auto"
+        (free text, but a call of a strict tool follows its parameters), "json" or None."""
         if body.tools and (body.tool_choice == "required" or body.forced_tool is not None):
             return "tools"
         if body.response_format is not None and body.response_format.type != "text":
             return "json"
+        if body.use_tools and any(t.function.strict for t in body.tools or []):
+            return "tools_auto"
         return None
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -208,12 +227,19 @@ class Service:
             opened = self.reasoning == "deepseek_r1" or prompt_opens_reasoning(prompt_text)
             think = "open" if opened else "optional"
         compiler = self.grammar_compiler()
-        if kind == "tools":
-            tools = {t.function.name: t.function.parameters for t in body.tools or []}
+        if kind in ("tools", "tools_auto"):
+            # Under auto only strict tools promise their parameters; the others' arguments are any object.
+            tools = {
+                t.function.name: t.function.parameters if kind == "tools" or t.function.strict else None
+                for t in body.tools or []
+            }
             if body.forced_tool is not None:
                 tools = {body.forced_tool: tools[body.forced_tool]}
+            parallel = not self.one_call(body)
             try:
-                return compiler.tool_calls(tools, parallel=body.parallel_tool_calls is not False, think=think)
+                if kind == "tools":
+                    return compiler.tool_calls(tools, parallel=parallel, think=think)
+                return compiler.tool_calls_auto(tools, parallel=parallel, think=think)
             except ValueError as exc:
                 raise bad_request(
                     f"tools: a function's parameters are not a usable JSON Schema: {exc}", "tools"
@@ -341,7 +367,11 @@ class Service:
             messages.append(msg)
         kwargs = self.check_template_kwargs(body.chat_template_kwargs)
         if body.use_tools:  # with tool_choice "none" the model is not shown them
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+            if self.tool_prompt:
+                messages = with_tool_prompt(messages, tools)
+            else:
+                kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **kwargs

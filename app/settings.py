@@ -46,6 +46,11 @@ class Settings(BaseSettings):
         True, description="with static shapes on CUDA, capture each bucket in a CUDA graph at start-up and replay it"
     )
     served_model_name: str | None = Field(None, description="model id clients send (default: derived from target)")
+    tool_prompt: Literal["auto", "off"] = Field(
+        "auto",
+        description="tools for a chat template that cannot render them: auto describes them to the model in a "
+        "system-prompt block in the Hermes <tool_call> format (app/tool_prompt.py), off refuses them with 400",
+    )
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
         "auto",
         description="chat answers split into reasoning_content (the <think> block) and content: qwen3 (a leading "

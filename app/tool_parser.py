@@ -34,7 +34,7 @@ def parse_call(body: str, names: Collection[str] | None = None) -> ParsedToolCal
     """The call in one `<tool_call>` body, or None when it is not a well-formed call."""
     try:
         obj: Any = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's own text: never a 500
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None

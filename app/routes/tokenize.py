@@ -1,4 +1,7 @@
-"""vLLM's small endpoints that scripts use: POST /tokenize, POST /detokenize, GET /version."""
+"""vLLM's small endpoints that scripts use: POST /tokenize, POST /detokenize, GET /version.
+
+The first two do work for the client (behind the API key, bounded in size, run off the event loop
+like every other tokenization)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> TokenizeRespon
         assert body.prompt is not None
         encode = service.encode_text if body.add_special_tokens else service.encode_plain
         ids = await service.prepare(encode, body.prompt, param="prompt")
-    strs = service.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    strs = None
+    if body.return_token_strs:  # in a thread too: a long prompt's strings take a while to build
+        strs = await service.prepare(service.tokenizer.convert_ids_to_tokens, ids, param="return_token_strs")
     return TokenizeResponse(count=len(ids), max_model_len=service.max_model_len, tokens=ids, token_strs=strs)
 
 

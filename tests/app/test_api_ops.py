@@ -43,7 +43,13 @@ def test_api_key(guarded: ServerProcess) -> None:
     assert httpx.get(guarded.url + "/v1/models").status_code == 401
     r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    # Health and metrics stay open for probes and scrapers.
+    # /tokenize and /detokenize do work for a client: keyed like /v1 (they once were open to anyone).
+    for path, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        assert httpx.post(guarded.url + path, json=payload).status_code == 401
+        keyed = httpx.post(guarded.url + path, json=payload, headers={"Authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 200, keyed.text
+    # Health, metrics and the version stay open for probes and scrapers.
+    assert httpx.get(guarded.url + "/version").status_code == 200
     assert httpx.get(guarded.url + "/health").status_code == 200
     assert httpx.get(guarded.url + "/metrics").status_code == 200
     ok = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0)

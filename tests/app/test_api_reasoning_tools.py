@@ -355,10 +355,51 @@ def test_forced_tool_choice_needs_a_declared_tool(srv: ServerProcess) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
-def test_strict_tools_are_refused(srv: ServerProcess) -> None:
-    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
-    r = httpx.post(srv.url + CHAT, json={"messages": ASK, "tools": strict, "max_tokens": 4}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.strict", r.text
+def test_named_tool_choice_gives_exactly_one_call(srv: ServerProcess) -> None:
+    """A forced function is called once (OpenAI's and vLLM's answer), though the script writes two
+    calls and parallel_tool_calls is left at its default."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = post(srv, tools=BOUNDED, tool_choice=choice, max_tokens=200)
+    calls = body["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    events = stream(srv, tools=BOUNDED, tool_choice=choice, max_tokens=200)
+    streamed = [tc for e in events for c in e["choices"] for tc in c["delta"].get("tool_calls", [])]
+    assert [tc["function"]["name"] for tc in streamed] == ["get_weather"]
+
+
+def test_strict_tools_are_enforced_under_auto(srv: ServerProcess, sdk: openai.OpenAI) -> None:
+    """`strict: true` (the SDK's pydantic_function_tool always sets it): under auto the model may answer
+    in text, but a call it opens follows the function's parameters. The script calls
+    get_weather(city="Paris"), which this strict schema does not allow."""
+    import jsonschema
+
+    params = {
+        "get_weather": {**BOUNDED[0]["function"]["parameters"], "properties": {"city": {"enum": ["Rome", "Oslo"]}}},
+        "get_time": BOUNDED[1]["function"]["parameters"],
+    }
+    strict = [
+        {"type": "function", "function": {"name": name, "parameters": schema, "strict": True}}
+        for name, schema in params.items()
+    ]
+    for stream_it in (False, True):
+        kwargs: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=strict, max_tokens=120, temperature=0)
+        if stream_it:
+            chunks = list(sdk.chat.completions.create(**kwargs, stream=True))
+            calls = [tc.function for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or []]
+        else:
+            out = sdk.chat.completions.create(**kwargs).choices[0]
+            calls = [tc.function for tc in out.message.tool_calls or []]
+            assert (out.message.content or "").startswith(ANSWER)  # the free text before the call stays
+        assert calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), params[call.name])
+    # Not strict: the script's own call comes back, which breaks that schema (what strict prevents).
+    loose = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in params.items()]
+    out = sdk.chat.completions.create(model=MODEL, messages=ASK, tools=loose, max_tokens=40, temperature=0)
+    first = out.choices[0].message.tool_calls[0].function
+    assert (first.name, json.loads(first.arguments)) == CALLS[0]
 
 
 def test_tool_results_in_the_history(srv: ServerProcess, sdk: openai.OpenAI, scripted: tuple[Path, Path]) -> None:

@@ -119,6 +119,8 @@ def test_tokenize_detokenize_version(server: ServerProcess) -> None:
         ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
         ("/tokenize", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ("/tokenize", {"prompt": "x" * ((1 << 18) + 1)}, "prompt"),  # bounded: far past any context
+        ("/detokenize", {"tokens": [1] * ((1 << 17) + 1)}, "tokens"),
     ]:
         r = httpx.post(server.url + path, json=payload, timeout=30)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
