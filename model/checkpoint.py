@@ -1,8 +1,13 @@
 """Drafter checkpoints: `config.json` + `model.safetensors` in the published DFlash / Domino layouts.
 
 Published layouts (docs/design.md §2): plain DFlash (`shift_label` absent or false, B - 1 drafts) and
-Domino (`projector_type: "domino"`, `shift_label: true`, B drafts). Keys have no prefix, but a
-`model.` prefix is accepted; `block_size` may sit at the top level or in `dflash_config`.
+Domino (`projector_type: "domino"`, `shift_label: true`, B drafts; a Domino head with `shift_label`
+false drafts B - 1 like DFlash). Keys have no prefix, but a `model.` prefix is accepted, and so is
+the legacy `logit_head.` container around the Domino head; `block_size` may sit at the top level or
+in `dflash_config`. Weights may be one file or Hugging Face shards (`model.safetensors.index.json`).
+
+Every config field is read, checked or known to be harmless: a value the drafter cannot honour is a
+CheckpointError naming the field, and fields nobody knows are logged in one warning.
 
 Our extensions, both optional and stored in the same two files:
 - `draft_vocab_size` in `dflash_config` plus a `draft_vocab_ids` int64 tensor: the drafter only
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,78 @@ from model.drafter import Drafter, DrafterConfig
 ARCHITECTURES = ("DFlashDraftModel", "DominoDraftModel")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+log = logging.getLogger(__name__)
+
+# Fields config_from_dict reads or checks (at the top level or in `dflash_config`).
+_KNOWN_FIELDS = frozenset(
+    {
+        "architectures",
+        "dflash_config",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "block_size",
+        "target_layer_ids",
+        "num_target_layers",
+        "mask_token_id",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "attention_bias",
+        "hidden_act",
+        "projector_type",
+        "gru_hidden_dim",
+        "emb_dim",
+        "pure_draft_prefix_len",
+        "shift_label",
+        "draft_vocab_size",
+        "use_mask_embedding",
+        "qk_norm",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "max_window_layers",
+        "is_causal",
+        "input_embedding_scale",
+        "output_multiplier",
+        "final_logit_softcapping",
+    }
+)
+# Hugging Face config bookkeeping that changes nothing in the drafter's forward: dtype and version
+# tags, token ids (the target's tokenizer decides those), training-only settings, remote-code hooks
+# (never run here), and SGLang's `mask_token` string (only used when `mask_token_id` is absent,
+# which is refused anyway).
+_HARMLESS_FIELDS = frozenset(
+    {
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "model_type",
+        "_name_or_path",
+        "name_or_path",
+        "auto_map",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "tie_word_embeddings",
+        "attention_dropout",
+        "initializer_range",
+        "use_cache",
+        "mask_token",
+    }
+)
+# Early Domino checkpoints nest the head under `logit_head.` (`logit_head.prefix_gru.*`,
+# `logit_head.embed_proj.*`): the same tensors in another container, so only the prefix goes.
+_LEGACY_HEAD_PREFIX = "logit_head."
+_HEAD_MODULES = ("prefix_gru.", "embed_proj.")
 
 
 class CheckpointError(ValueError):
@@ -51,7 +130,99 @@ def _require(raw: dict[str, Any], name: str) -> Any:
     return value
 
 
+def _positive_scalar(raw: dict[str, Any], name: str) -> float:
+    """A multiplier field: absent or null means 1.0 (no change)."""
+    value = _lookup(raw, name)
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(
+            f"drafter config.json: field '{name}' is {value!r}; it loads with a finite number > 0 "
+            "(1.0 or absent: no scaling)"
+        )
+    return float(value)
+
+
+def _softcap(raw: dict[str, Any]) -> float | None:
+    value = _lookup(raw, "final_logit_softcapping")
+    # 0 means off too (vLLM reads it that way).
+    if value is None or (not isinstance(value, bool) and value == 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise CheckpointError(
+            f"drafter config.json: field 'final_logit_softcapping' is {value!r}; it loads with null (no cap) "
+            "or a finite number > 0"
+        )
+    return float(value)
+
+
+def _check_attention_layout(raw: dict[str, Any], num_layers: int) -> None:
+    """The draft layers all use full attention, non-causal over the block (DFlash's training mask,
+    which the engine, training and evaluation all build): refuse any other layout."""
+    layer_types = _lookup(raw, "layer_types")
+    window = _lookup(raw, "sliding_window")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+            raise CheckpointError(
+                f"drafter config.json: field 'layer_types' is {layer_types!r} (sliding_window {window!r}); "
+                "only 'full_attention' draft layers are implemented: it loads when every entry is "
+                "'full_attention' (or the field is absent)"
+            )
+    elif _lookup(raw, "use_sliding_window") and window is not None:
+        # Hugging Face's Qwen3 rule when `layer_types` is absent: layers from `max_window_layers` on slide.
+        first = int(_lookup(raw, "max_window_layers", 28))
+        if first < num_layers:
+            raise CheckpointError(
+                f"drafter config.json: field 'use_sliding_window' is true (sliding_window {window}, "
+                f"max_window_layers {first}), so draft layers {first}..{num_layers - 1} would use sliding-window "
+                "attention, which is not implemented: it loads with use_sliding_window false or "
+                f"max_window_layers >= {num_layers}"
+            )
+    is_causal = _lookup(raw, "is_causal")
+    if is_causal not in (None, False):
+        raise CheckpointError(
+            f"drafter config.json: field 'is_causal' is {is_causal!r}; the draft block attends bidirectionally "
+            "(DFlash's non-causal block): it loads with is_causal false or absent"
+        )
+
+
+def _check_fixed_fields(raw: dict[str, Any]) -> None:
+    """Fields with one value the drafter computes with; a rope change only costs acceptance
+    (verification keeps the output exact), so that one is a warning."""
+    act = _lookup(raw, "hidden_act")
+    if act not in (None, "silu"):
+        raise CheckpointError(
+            f"drafter config.json: field 'hidden_act' is {act!r}; the draft MLP is SwiGLU: it loads with 'silu'"
+        )
+    scaling = _lookup(raw, "rope_scaling")
+    params = raw.get("rope_parameters")
+    # A rope_scaling must say it is the default; rope_parameters (transformers 5) is by default.
+    scaled = bool(scaling) and not (
+        isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default"
+    )
+    reparametrised = params is not None and not (
+        isinstance(params, dict) and params.get("rope_type", "default") == "default"
+    )
+    if scaled or reparametrised:
+        log.warning(
+            "drafter config.json: rope_scaling %r / rope_parameters %r ignored; the drafter uses plain RoPE "
+            "(theta only), so drafts may be accepted less often",
+            scaling,
+            raw.get("rope_parameters"),
+        )
+
+
+def _warn_unknown_fields(raw: dict[str, Any]) -> None:
+    nested = raw.get("dflash_config") or {}
+    known = _KNOWN_FIELDS | _HARMLESS_FIELDS
+    unknown = sorted(k for k in raw if k not in known) + sorted(f"dflash_config.{k}" for k in nested if k not in known)
+    if unknown:
+        log.warning("drafter config.json: ignoring fields the drafter does not know: %s", ", ".join(unknown))
+
+
 def config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
+    if not isinstance(raw.get("dflash_config") or {}, dict):
+        raise CheckpointError("drafter config.json: field 'dflash_config' must be a JSON object")
     archs = raw.get("architectures") or []
     if archs and not any(a in ARCHITECTURES for a in archs):
         raise CheckpointError(
@@ -91,16 +262,22 @@ def config_from_dict(raw: dict[str, Any]) -> DrafterConfig:
         draft_vocab_size=_lookup(raw, "draft_vocab_size"),
         use_mask_embedding=bool(_lookup(raw, "use_mask_embedding", False)),
         qk_norm=bool(_lookup(raw, "qk_norm", True)),
+        input_embedding_scale=_positive_scalar(raw, "input_embedding_scale"),
+        output_multiplier=_positive_scalar(raw, "output_multiplier"),
+        final_logit_softcapping=_softcap(raw),
         raw=copy.deepcopy(raw),
     )
+    _check_attention_layout(raw, cfg.num_hidden_layers)
+    _check_fixed_fields(raw)
+    _warn_unknown_fields(raw)
     if cfg.block_size < 2:
         raise CheckpointError(f"drafter config.json: field 'block_size' must be >= 2, got {cfg.block_size}")
     if cfg.projector_type not in (None, "domino"):
         raise CheckpointError(
             f"drafter config.json: field 'projector_type' is {cfg.projector_type!r}, expected 'domino' or absent"
         )
-    if cfg.has_head and not cfg.shift_label:
-        raise CheckpointError("drafter config.json: field 'shift_label' must be true when projector_type is 'domino'")
+    # A Domino head without shift_label is fine: Drafter.draft then reads outputs 1..B-1 (B - 1
+    # drafts, the anchor's output unused) and the GRU still starts from the anchor, as SGLang does.
     if cfg.mask_token_id is None and not cfg.use_mask_embedding:
         raise CheckpointError(
             "drafter config.json: field 'mask_token_id' is missing and 'use_mask_embedding' is not set"
@@ -150,6 +327,13 @@ def config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
         dflash["use_mask_embedding"] = True
     if not cfg.qk_norm:
         dflash["qk_norm"] = False
+    neutral_values = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+    for name, neutral in neutral_values.items():
+        value = getattr(cfg, name)
+        if name in raw and name not in dflash:
+            raw[name] = value  # keep a field where the loaded file had it
+        elif value != neutral or name in dflash:
+            dflash[name] = value
     return raw
 
 
@@ -175,6 +359,58 @@ def validate_against_target(cfg: DrafterConfig, hidden_size: int, vocab_size: in
         )
 
 
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"drafter checkpoint {file}: unreadable safetensors file ({exc})") from None
+
+
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every tensor of a checkpoint, and the file that lists them: `model.safetensors`, or the
+    index of a sharded checkpoint (`weight_map`: key -> shard file, as Hugging Face writes them)."""
+    single, index = path / WEIGHTS_NAME, path / INDEX_NAME
+    if single.is_file():
+        return _read_safetensors(single), single
+    if not index.is_file():
+        raise CheckpointError(f"drafter checkpoint {path}: {WEIGHTS_NAME} not found (nor {INDEX_NAME})")
+    try:
+        data = json.loads(index.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"drafter checkpoint {index}: invalid JSON ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"drafter checkpoint {index}: field 'weight_map' must map each key to a shard file")
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise CheckpointError(f"drafter checkpoint {path}: shard {shard} named in {INDEX_NAME} not found")
+        tensors = _read_safetensors(path / shard)
+        twice = sorted(set(state) & set(tensors))
+        if twice:
+            raise CheckpointError(f"drafter checkpoint {path}: keys {twice[:8]} are in more than one shard")
+        state.update(tensors)
+    absent = sorted(k for k in weight_map if k not in state)
+    if absent:
+        raise CheckpointError(
+            f"drafter checkpoint {index}: keys {absent[:8]} are not in their shards (first: {weight_map[absent[0]]})"
+        )
+    return state, index
+
+
+def _canonical_keys(state: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """Published key names: drop an optional `model.` prefix and the legacy `logit_head.` container."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        name = key.removeprefix("model.")
+        if name.startswith(_LEGACY_HEAD_PREFIX) and name.removeprefix(_LEGACY_HEAD_PREFIX).startswith(_HEAD_MODULES):
+            name = name.removeprefix(_LEGACY_HEAD_PREFIX)
+        if name in out:
+            raise CheckpointError(f"drafter checkpoint {source}: '{name}' is stored twice (one copy as '{key}')")
+        out[name] = tensor
+    return out
+
+
 def load_drafter(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -183,11 +419,9 @@ def load_drafter(
 ) -> Drafter:
     """Load a drafter directory; validate it against `target_config` (an HF config) when given."""
     path = Path(path)
-    cfg_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
+    cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
         raise CheckpointError(f"drafter checkpoint {path}: {CONFIG_NAME} not found")
-    if not weights_path.is_file():
-        raise CheckpointError(f"drafter checkpoint {path}: {WEIGHTS_NAME} not found")
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
@@ -202,11 +436,8 @@ def load_drafter(
             vocab_size=int(target_config.vocab_size),
             num_layers=int(target_config.num_hidden_layers),
         )
-    try:
-        state = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"drafter checkpoint {weights_path}: unreadable safetensors file ({exc})") from None
-    state = {k.removeprefix("model."): v for k, v in state.items()}
+    state, weights_path = _read_weights(path)
+    state = _canonical_keys(state, weights_path)
 
     with torch.device("meta"):
         drafter = Drafter(cfg)

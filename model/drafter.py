@@ -56,6 +56,12 @@ class DrafterConfig:
     # Extension: `qk_norm: false` drops the per-head q/k RMSNorm (a drafter warm-started from a
     # target layer without one, e.g. Llama's, keeps that layer's attention intact).
     qk_norm: bool = True
+    # Newer DFlash fields (absent from the published DFlash / Domino checkpoints, so the defaults
+    # change nothing): a scalar on the block's input embeddings, and on the base logits a tanh soft
+    # cap (None: off) then a multiplier, in the order vLLM's logits processor applies them.
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
     # Every other config.json field, kept so that save -> load round-trips.
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -329,7 +335,15 @@ class Drafter(nn.Module):
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self._lm_head_weight is not None, "call bind_target() first"
-        return hidden @ self._lm_head_weight.t()
+        logits = hidden @ self._lm_head_weight.t()
+        # Python-side checks: the default config adds no ops (and CUDA graphs see a fixed graph).
+        # The Domino correction is added on top of these base logits, as in training.
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        return logits
 
     def to_full_vocab(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.config.draft_vocab_size is None:
@@ -355,8 +369,14 @@ class Drafter(nn.Module):
         if cfg.use_mask_embedding:
             x = self.embed(block_tokens[:, :1])
             masks = self.mask_embedding.to(x.dtype).expand(x.shape[0], block_tokens.shape[1] - 1, -1)
-            return torch.cat([x, masks], dim=1)
-        return self.embed(block_tokens)
+            x = torch.cat([x, masks], dim=1)
+        else:
+            x = self.embed(block_tokens)
+        # The scale multiplies the whole block input (anchor and MASK rows alike); the Domino GRU
+        # reads plain target embeddings.
+        if cfg.input_embedding_scale != 1.0:
+            x = x * cfg.input_embedding_scale
+        return x
 
     def run_layers(
         self,
