@@ -80,6 +80,10 @@ def generation_error(event: SeqEvent) -> APIError:
     """The error a failed choice turns into (the whole response fails with it)."""
     if event.unavailable:
         return APIError(503, event.error or "the server is shutting down", "server_error", code="service_unavailable")
+    if event.client_error:  # the output could not follow the request's grammar: say why, not a bare 500
+        return APIError(
+            500, event.error or "the output could not follow the grammar", "server_error", code="grammar_error"
+        )
     return server_error("generation failed", event.error or "unknown error", code="generation_failed")
 
 

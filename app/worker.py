@@ -70,6 +70,7 @@ class SeqEvent:
     stats: RequestStats | None = None  # on the final event (a copy: the engine keeps counting)
     error: str | None = None
     unavailable: bool = False  # the error is the server going away, not the request failing
+    client_error: bool = False  # the request's own failure (its grammar): the message goes to the client
     prompt_logprobs: list[LogprobEntry] | None = None  # on the first event, when the prompt was scored
 
 
@@ -343,7 +344,7 @@ class EngineWorker:
     def _check_errors(self, outputs: list[RequestOutput]) -> None:
         """Raise EngineUnhealthy after MAX_STEP_FAILURES steps in a row in which requests failed in the
         engine with the same kind of error and none made progress."""
-        errors = [o.error or "" for o in outputs if o.finish_reason == "error"]
+        errors = [o.error or "" for o in outputs if o.finish_reason == "error" and not o.client_error]
         if any(o.new_token_ids for o in outputs) or not errors:
             if any(o.new_token_ids for o in outputs):
                 self._error_streak = 0
@@ -390,7 +391,9 @@ class EngineWorker:
             finish = "stop"
         elif stop_hit:
             finish = "stop"
-        event = SeqEvent(state.spec.index, text, n_new, logprobs, finish, error=out.error)
+        event = SeqEvent(
+            state.spec.index, text, n_new, logprobs, finish, error=out.error, client_error=out.client_error
+        )
         event.prompt_logprobs = state.processor.prompt_entries(state.spec.prompt_ids, out)
         if finish is not None:
             event.stats = _stats(out)

@@ -570,6 +570,9 @@ class Engine:
                     token_logprobs = logprobs[i]
                     if row.processor is not None:
                         row.processor.commit(emitted)
+                grammar_error = row.processor.grammar_error if row.processor is not None else None
+                if grammar_error is not None:
+                    reason = "error"
                 row.anchor = tok
                 outputs.append(
                     RequestOutput(
@@ -580,6 +583,8 @@ class Engine:
                         row.stats,
                         token_logprobs,
                         stop_tok,
+                        error=grammar_error,
+                        client_error=grammar_error is not None,
                         prompt_logprobs=prompt_logprobs[i],
                     )
                 )
@@ -804,8 +809,13 @@ class Engine:
             if proposer == "ngram" and plan is not None:
                 self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.temperature <= 0)
             emitted, reason, stop_tok = self._commit(row, new_tokens[i])
+            grammar_error = None
             if row.processor is not None:
                 row.processor.commit(emitted)
+                # Output that can no longer follow its grammar ends as an error, never as "stop".
+                grammar_error = row.processor.grammar_error
+                if grammar_error is not None:
+                    reason = "error"
             row.anchor = bonus_list[i]
             st = row.stats
             st.verify_steps += 1
@@ -828,6 +838,8 @@ class Engine:
                     st,
                     lp,
                     stop_tok,
+                    error=grammar_error,
+                    client_error=grammar_error is not None,
                     step_draft_tokens=n_i,
                     step_accepted=list(range(a_i)),
                     is_verify_step=True,

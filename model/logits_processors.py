@@ -29,6 +29,10 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 class Matcher(Protocol):
     """What a row needs from a grammar matcher (model/grammar.py wraps llguidance's)."""
 
+    # Why the committed output can no longer be a valid completion (client-safe), None while it
+    # can; once set it stays set and `allowed` lets only EOS through.
+    error: str | None
+
     def allowed(self, drafts: list[int], positions: int) -> torch.Tensor:
         """Allowed tokens [positions, V] after the committed prefix plus drafts[:j], for each j; rows
         past the first draft the grammar refuses are all True (they are never used)."""
@@ -98,10 +102,22 @@ class RowProcessor:
         self.sequences = [tuple(s) for s in params.bad_words_ids if len(s) > 1]
         self.tail_len = max((len(s) - 1 for s in self.sequences), default=0)
         self.tail = list(prompt_ids[len(prompt_ids) - self.tail_len :]) if self.tail_len else []
-        self.matcher: Matcher | None = params.grammar.matcher() if params.grammar is not None else None
+        # The matcher is told the row's stop tokens: one that ends a complete output is no error.
+        self.matcher: Matcher | None = None
+        if params.grammar is not None:
+            self.matcher = params.grammar.matcher(frozenset(stop_ids))
+
+    @property
+    def grammar_error(self) -> str | None:
+        """Why the row's grammar failed, in words fit for the client; None without a grammar or
+        while the output can still be valid. The contract: check it after every `commit`; once it
+        is set (it stays set) the row must finish with finish_reason "error", never as a normal
+        completion, even when the same commit ended it with EOS or a stop token (the grammar was
+        not complete there, or the matcher failed)."""
+        return None if self.matcher is None else self.matcher.error
 
     def commit(self, tokens: list[int]) -> None:
-        """Tokens appended to the row's output."""
+        """Tokens appended to the row's output (then read `grammar_error`)."""
         if not tokens:
             return
         self.num_output += len(tokens)

@@ -112,6 +112,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_token_id: int | None = None  # the stop/EOS token that ended the request, if any
     error: str | None = None
+    client_error: bool = False  # the request's own failure (its grammar), the message fit for the client
     # With SamplingParams.prompt_logprobs, on the prefill output: prompt tokens 1..n-1 (the first
     # token has no logprob: nothing comes before it).
     prompt_logprobs: list[TokenLogprob] | None = None

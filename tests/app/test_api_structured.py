@@ -102,3 +102,40 @@ def test_invalid_schemas_get_400(server: ServerProcess, fmt: dict[str, Any], par
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"].startswith("response_format") and err["param"].endswith(param), err
+
+
+# An object that must nest for ever, behind a free choice with integers: it compiles, and fails only
+# along outputs that open the object. A logit bias on "{" makes the tiny target take that branch.
+NESTS_FOREVER = {
+    "$defs": {"loop": {"type": "object", "properties": {"b": {"$ref": "#/$defs/loop"}}, "required": ["b"]}},
+    "anyOf": [{"type": "integer"}, {"$ref": "#/$defs/loop"}],
+}
+LEAKS = ("%json", "x-guidance", "lark", "answer", "start:")
+
+
+def test_a_grammar_failing_mid_generation_is_an_error_never_a_stop(server: ServerProcess, tiny_hf: Any) -> None:
+    """Once the output can no longer follow the schema, the choice fails with an OpenAI-style error
+    that says so (before: 200 with invalid JSON and finish_reason "stop")."""
+    brace = tiny_hf[1].convert_tokens_to_ids("{")
+    fmt = {"type": "json_schema", "json_schema": {"name": "loop", "schema": NESTS_FOREVER}}
+    body = {
+        "messages": ASK,
+        "max_tokens": 400,
+        "response_format": fmt,
+        "logit_bias": {str(brace): 100},
+        **NO_THINK,
+    }
+    r = httpx.post(server.url + CHAT, json={**body, "temperature": 0}, timeout=60)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "grammar_error" and "schema" in err["message"], err
+    assert not any(leak in err["message"] for leak in LEAKS)
+    with httpx.stream("POST", server.url + CHAT, json={**body, "stream": True, "seed": 3}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "grammar_error"
+    assert all(c["finish_reason"] in (None,) for e in events[:-1] for c in e.get("choices", []))
+    # The server goes on serving constrained requests.
+    out = httpx.post(
+        server.url + CHAT, json={"messages": ASK, "max_tokens": 120, "response_format": FORMAT, **NO_THINK}, timeout=60
+    ).json()["choices"][0]
+    jsonschema.validate(json.loads(out["message"]["content"]), SCHEMA)
