@@ -712,5 +712,15 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class TokenizerInfoResponse(_Response):
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int  # the served context (max_model_len)
+    vocab_size: int
+
+
 class VersionResponse(_Response):
     version: str

@@ -1,4 +1,4 @@
-"""vLLM's small endpoints that scripts use: POST /tokenize, POST /detokenize, GET /version.
+"""vLLM's small endpoints that scripts use: POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /version.
 
 The first two do work for the client (behind the API key, bounded in size, run off the event loop
 like every other tokenization)."""
@@ -11,7 +11,14 @@ from fastapi import APIRouter
 
 from app.deps import ServiceDep
 from app.errors import ERROR_RESPONSES, bad_request
-from app.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, VersionResponse
+from app.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+    VersionResponse,
+)
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -42,6 +49,23 @@ async def detokenize(body: DetokenizeRequest, service: ServiceDep) -> Detokenize
         raise bad_request(f"tokens: {bad[:5]} are outside the vocabulary (size {service.vocab_size})", "tokens")
     text = await service.prepare(service.decode, body.tokens, param="tokens")
     return DetokenizeResponse(prompt=text)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(service: ServiceDep) -> TokenizerInfoResponse:
+    """What a client needs to tokenize and render like the server without a copy of the tokenizer
+    (lm-eval's remote tokenizer, with /tokenize and /detokenize): its special tokens and chat template."""
+    tok = service.tokenizer
+    template = getattr(tok, "chat_template", None)
+    return TokenizerInfoResponse(
+        tokenizer_class=type(tok).__name__,
+        eos_token=tok.eos_token,
+        bos_token=tok.bos_token,
+        pad_token=tok.pad_token,
+        chat_template=template if isinstance(template, str) else None,
+        model_max_length=service.max_model_len,
+        vocab_size=service.vocab_size,
+    )
 
 
 @router.get("/version")

@@ -40,6 +40,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
     ("GET", "/version"),
 ]
 

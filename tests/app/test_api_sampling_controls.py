@@ -124,5 +124,9 @@ def test_tokenize_detokenize_version(server: ServerProcess) -> None:
     ]:
         r = httpx.post(server.url + path, json=payload, timeout=30)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+    # lm-eval's remote tokenizer reads the special tokens and the chat template here.
+    info = httpx.get(server.url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
+    assert info["model_max_length"] == 512 and info["vocab_size"] > 0
     v = httpx.get(server.url + "/version", timeout=30)
     assert v.status_code == 200 and v.json()["version"]
