@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from app.events import LogprobEntry, SequenceSpec, TokenText
+from app.partial import partial_tag_length
+
 if TYPE_CHECKING:
-    from app.worker import SequenceSpec
-    from model.engine import RequestOutput
+    from model.requests import RequestOutput
 
 REPLACEMENT = "\ufffd"
 # Tokens of prompt context decoded with the window so tokenizers whose decoding depends on the
@@ -82,13 +83,7 @@ class StopMatcher:
             self.stopped = True
             self.pending = ""
             return buf[: min(hits)], True
-        hold = 0
-        for stop in self.stops:
-            # Longest proper prefix of this stop that the buffer ends with.
-            for k in range(min(len(stop) - 1, len(buf)), hold, -1):
-                if buf.endswith(stop[:k]):
-                    hold = k
-                    break
+        hold = partial_tag_length(buf, self.stops)
         self.pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
 
@@ -96,21 +91,6 @@ class StopMatcher:
         """Text held back as a possible stop prefix, released when generation ends without it."""
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
-
-
-@dataclass(frozen=True)
-class TokenText:
-    """How a token is shown in logprobs: its text (or `bytes:\\x..` for partial UTF-8) and bytes."""
-
-    text: str
-    bytes: list[int]
-
-
-@dataclass
-class LogprobEntry:
-    token: TokenText
-    logprob: float | None  # None: the prompt's first token (nothing comes before it)
-    top: list[tuple[TokenText, float]]
 
 
 class TokenTexts:

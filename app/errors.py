@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.events import SeqEvent
 from app.protocol import ErrorInfo, ErrorResponse
-from app.worker import SeqEvent
 
 log = logging.getLogger(__name__)
 

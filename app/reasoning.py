@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from app.partial import partial_tag_length
+
 THINK_START, THINK_END = "<think>", "</think>"
 ReasoningMode = Literal["qwen3", "deepseek_r1"]
 ParserSetting = Literal["auto", "qwen3", "deepseek_r1", "none"]
@@ -35,14 +37,6 @@ def reasoning_mode(setting: str, chat_template: object) -> ReasoningMode | None:
 def prompt_opens_reasoning(prompt: str) -> bool:
     """Whether the rendered prompt ends inside a think block (templates that open it for the model)."""
     return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `text` ends with."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningParser:
@@ -83,7 +77,7 @@ class ReasoningParser:
                     self.state, buf = "lead_c", buf[end + len(THINK_END) :]
                     continue
                 # Hold a cut </think> and the whitespace before it (dropped if the tag follows).
-                keep = len(buf) - _partial_suffix(buf, THINK_END)
+                keep = len(buf) - partial_tag_length(buf, (THINK_END,))
                 final = buf[:keep].rstrip()
                 reasoning += final
                 self.pending = buf[len(final) :]

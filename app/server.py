@@ -1,9 +1,11 @@
 """The app factory: `create_app` builds the FastAPI app (middleware, error handlers, routers) and its
 lifespan, which loads the engine and starts the worker thread that owns it.
 
-Layout: `errors` / `middleware` (OpenAI-shaped errors, auth and body limits), `service` (the engine,
-tokenizer and checks), `deps` (the service as a FastAPI dependency), `responses` (JSON bodies and
-the one SSE loop), `routes/` (one router per route group).
+Layout: `errors` / `middleware` (OpenAI-shaped errors, auth and body limits), `service` (the engine
+client: worker, tokenizer, metrics and the checks every endpoint shares), `serving/` (one module per
+endpoint owning its flow, and `responses`: JSON bodies and the one SSE loop), `deps` (both as
+FastAPI dependencies), `routes/` (thin routers), `events` (the torch-free types the worker and the
+wire side share).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -22,8 +24,11 @@ from app.errors import install_error_handlers
 from app.middleware import GuardMiddleware
 from app.routes import chat, completions, models, ops
 from app.service import Service
+from app.serving import Serving
 from app.settings import Settings
-from model.engine import Engine
+
+if TYPE_CHECKING:
+    from model.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,8 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         "prefix_cache_tokens": settings.prefix_cache_tokens,
         "prefix_block_size": settings.prefix_block_size,
     }
-    if settings.block_size is not None:
-        kwargs["max_drafts"] = settings.block_size
+    if settings.max_drafts is not None:
+        kwargs["max_drafts"] = settings.max_drafts
     engine, tokenizer = build_engine(
         target=settings.target,
         drafter=settings.drafter,
@@ -90,6 +95,7 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
         service = Service(settings, eng, tok)
         service.worker.start(asyncio.get_running_loop())
         app.state.service = service
+        app.state.serving = Serving.build(service)
         log.info(
             "serving %r at http://%s:%d/v1 (API key %s)",
             service.model_name,
@@ -101,7 +107,7 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
             yield
         finally:
             await asyncio.to_thread(service.worker.stop)
-            app.state.service = None
+            app.state.service = app.state.serving = None
 
     app = FastAPI(
         title="domino-serve",
@@ -111,7 +117,7 @@ def create_app(settings: Settings, engine: Engine | None = None, tokenizer: Any 
         redoc_url=None,
         openapi_url="/openapi.json",  # the schema clients and fuzzers read, as vLLM serves it
     )
-    app.state.service = None
+    app.state.service = app.state.serving = None
     app.add_middleware(
         GuardMiddleware,
         api_key=settings.api_key,

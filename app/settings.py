@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -13,8 +15,22 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
+log = logging.getLogger(__name__)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DOMINO_", extra="ignore", validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        # DOMINO_BLOCK_SIZE was max_drafts' name: deployments that set it keep their cap.
+        old = os.environ.get("DOMINO_BLOCK_SIZE")
+        if isinstance(data, dict) and old is not None and data.get("max_drafts") is None:
+            if os.environ.get("DOMINO_MAX_DRAFTS") is None:
+                log.warning("DOMINO_BLOCK_SIZE is deprecated: set DOMINO_MAX_DRAFTS (the same cap)")
+                data = {**data, "max_drafts": old}
+        return data
 
     # -- model ------------------------------------------------------------------------------------
     target: str = Field("default", description="HF directory of the target, or 'default' (embedded SmolLM2-135M)")
@@ -27,8 +43,12 @@ class Settings(BaseSettings):
         description="in domino/dflash modes, also propose n-gram copies from each request's own prompt and output "
         "(prompt lookup); the policy picks per request and step whichever is expected to pay more",
     )
-    block_size: int | None = Field(
-        None, ge=1, description="at most this many draft tokens verified per step (default: all the drafter proposes)"
+    # Not "block_size": that is the drafter's own B (DrafterConfig.block_size), which this only caps.
+    max_drafts: int | None = Field(
+        None,
+        ge=1,
+        description="at most this many draft tokens verified per step (default: all the drafter proposes); "
+        "DOMINO_BLOCK_SIZE, its old name, is still read",
     )
     draft_policy: Literal["adaptive", "fixed"] = Field(
         "adaptive",

@@ -16,6 +16,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.partial import partial_tag_length
+
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
@@ -49,13 +51,6 @@ def parse_call(body: str, names: Collection[str] | None = None) -> ParsedToolCal
     if not isinstance(args, dict):
         return None
     return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ToolCallParser:
@@ -100,7 +95,7 @@ class ToolCallParser:
                 buf = buf[start + len(CALL_START) :]
                 self.inside = True
                 continue
-            keep = len(buf) - _partial_suffix(buf, CALL_START)
+            keep = len(buf) - partial_tag_length(buf, (CALL_START,))
             final = buf[:keep].rstrip()
             out += final
             self.pending = buf[len(final) :]

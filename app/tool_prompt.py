@@ -16,9 +16,7 @@ from typing import Any
 from app.tool_parser import CALL_END, CALL_START
 
 TOOL_BLOCK_INTRO = (
-    "# Tools\n\n"
-    "Functions you can call are listed between <tools> and </tools>, one JSON signature a line:\n"
-    "<tools>\n"
+    "# Tools\n\nFunctions you can call are listed between <tools> and </tools>, one JSON signature a line:\n<tools>\n"
 )
 TOOL_BLOCK_OUTRO = (
     "</tools>\n\n"

@@ -18,13 +18,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.detokenize import LogprobEntry, OutputProcessor, TokenTexts
+from app.detokenize import OutputProcessor, TokenTexts
+from app.events import SeqEvent, SequenceSpec
 from app.metrics import Metrics
-from model.engine import Engine, RequestOutput, RequestStats, SamplingParams
+from model.engine import Engine
+from model.requests import RequestOutput, RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -47,41 +49,21 @@ class EngineUnhealthy(Exception):
     """Engine steps keep failing every request the same way: the worker ends."""
 
 
-@dataclass
-class SequenceSpec:
-    """One engine request: one prompt, one choice."""
-
-    index: int  # choice index in the response
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: Sequence[str] = ()
-    skip_special_tokens: bool = True
-
-
-@dataclass
-class SeqEvent:
-    """What one engine step produced for one choice, as text."""
-
-    index: int
-    text: str = ""
-    num_tokens: int = 0  # tokens generated this step (a stop token included)
-    logprobs: list[LogprobEntry] | None = None
-    finish_reason: str | None = None
-    stats: RequestStats | None = None  # on the final event (a copy: the engine keeps counting)
-    error: str | None = None
-    unavailable: bool = False  # the error is the server going away, not the request failing
-    client_error: bool = False  # the request's own failure (its grammar): the message goes to the client
-    prompt_logprobs: list[LogprobEntry] | None = None  # on the first event, when the prompt was scored
-
-
 ProcessorFactory = Callable[[SequenceSpec, Any, TokenTexts], OutputProcessor]
 
 
 class RequestHandle:
     """One HTTP request's sequences; events arrive on `events` (on the event loop)."""
 
-    def __init__(self, request_id: str, specs: list[SequenceSpec], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        specs: list[SequenceSpec],
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable[[RequestHandle], None],
+    ) -> None:
         self.request_id = request_id
+        self._abort = abort
         self.specs = specs
         self.events: asyncio.Queue[SeqEvent] = asyncio.Queue()
         self.admitted: asyncio.Future[None] = loop.create_future()
@@ -91,6 +73,10 @@ class RequestHandle:
     @property
     def finished(self) -> bool:
         return self.remaining == 0
+
+    def abort(self) -> None:
+        """Cancel whatever is left of the request (the client went away); a no-op once finished."""
+        self._abort(self)
 
 
 @dataclass
@@ -156,18 +142,22 @@ class EngineWorker:
     def healthy(self) -> bool:
         return self.alive and not self.draining and self._thread is not None and self._thread.is_alive()
 
-    async def submit(self, specs: list[SequenceSpec]) -> RequestHandle:
-        """Admit a request's sequences, or raise Overloaded / Unavailable / the engine's ValueError."""
-        if not self.healthy:
-            raise Unavailable("the server is shutting down" if self.draining else "the model worker is not running")
-        # Admission rule: sequences in flight (running + waiting) never exceed max_batch_size + max_waiting.
-        if self.in_flight + len(specs) > self.capacity:
+    def check_capacity(self, num_sequences: int) -> None:
+        """The admission rule: sequences in flight (running + waiting) never exceed max_batch_size +
+        max_waiting (Overloaded otherwise)."""
+        if self.in_flight + num_sequences > self.capacity:
             raise Overloaded(
                 f"the server is at capacity ({self.in_flight} sequences in flight, at most {self.capacity}); "
                 "retry later"
             )
+
+    async def submit(self, specs: list[SequenceSpec]) -> RequestHandle:
+        """Admit a request's sequences, or raise Overloaded / Unavailable / the engine's ValueError."""
+        if not self.healthy:
+            raise Unavailable("the server is shutting down" if self.draining else "the model worker is not running")
+        self.check_capacity(len(specs))
         assert self._loop is not None
-        handle = RequestHandle(f"req{next(self._ids)}", specs, self._loop)
+        handle = RequestHandle(f"req{next(self._ids)}", specs, self._loop, self.abort)
         self.in_flight += len(specs)
         self._pending.add(handle)
         self.inbox.put(_Command("add", handle))

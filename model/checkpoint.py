@@ -41,28 +41,32 @@ INDEX_NAME = "model.safetensors.index.json"
 
 log = logging.getLogger(__name__)
 
+# The Qwen3 fields a saved config carries at the top level (config_to_dict).
+_TOP_LEVEL_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "attention_bias",
+    "num_target_layers",
+)
 # Fields config_from_dict reads or checks (at the top level or in `dflash_config`).
 _KNOWN_FIELDS = frozenset(
     {
+        *_TOP_LEVEL_FIELDS,
         "architectures",
         "dflash_config",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "vocab_size",
         "block_size",
         "target_layer_ids",
-        "num_target_layers",
         "mask_token_id",
-        "rms_norm_eps",
-        "rope_theta",
         "rope_parameters",
         "rope_scaling",
-        "max_position_embeddings",
-        "attention_bias",
         "hidden_act",
         "projector_type",
         "gru_hidden_dim",
@@ -290,20 +294,7 @@ def config_to_dict(cfg: DrafterConfig) -> dict[str, Any]:
     raw = copy.deepcopy(cfg.raw)
     raw.setdefault("architectures", ["DFlashDraftModel"])
     raw.setdefault("model_type", "qwen3")
-    for name in (
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "vocab_size",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-        "attention_bias",
-        "num_target_layers",
-    ):
+    for name in _TOP_LEVEL_FIELDS:
         raw[name] = getattr(cfg, name)
     if "block_size" in raw or "block_size" not in (raw.get("dflash_config") or {}):
         raw["block_size"] = cfg.block_size
@@ -366,6 +357,13 @@ def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"drafter checkpoint {file}: unreadable safetensors file ({exc})") from None
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"drafter checkpoint {path}: invalid JSON ({exc})") from None
+
+
 def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """Every tensor of a checkpoint, and the file that lists them: `model.safetensors`, or the
     index of a sharded checkpoint (`weight_map`: key -> shard file, as Hugging Face writes them)."""
@@ -374,10 +372,7 @@ def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
         return _read_safetensors(single), single
     if not index.is_file():
         raise CheckpointError(f"drafter checkpoint {path}: {WEIGHTS_NAME} not found (nor {INDEX_NAME})")
-    try:
-        data = json.loads(index.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"drafter checkpoint {index}: invalid JSON ({exc})") from None
+    data = _read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
         raise CheckpointError(f"drafter checkpoint {index}: field 'weight_map' must map each key to a shard file")
@@ -422,10 +417,7 @@ def load_drafter(
     cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
         raise CheckpointError(f"drafter checkpoint {path}: {CONFIG_NAME} not found")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"drafter checkpoint {cfg_path}: invalid JSON ({exc})") from None
+    raw = _read_json(cfg_path)
     if not isinstance(raw, dict):
         raise CheckpointError(f"drafter checkpoint {cfg_path}: expected a JSON object")
     cfg = config_from_dict(raw)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.attention import can_pack, packed_gqa_attention
+from model.kvcache import move_slot
 from model.sampling import SamplingBatch, pick_tokens
 
 
@@ -258,11 +259,7 @@ class DraftContextCache:
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy one row's context into another slot (used when compacting the batch)."""
-        n = int(self.lengths[src])
-        for k, v in zip(self.keys, self.values):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
-        self.lengths[dst] = self.lengths[src]
+        move_slot(self.keys, self.values, self.lengths, src, dst)
 
 
 @dataclass

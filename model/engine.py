@@ -48,11 +48,12 @@ from model.target import TargetModel, TargetOutput
 
 MODES = ("domino", "dflash", "ngram", "ar")
 PROMPT_LOGPROB_CHUNK = 256  # prompt positions per LM-head call when scoring a prompt
-PROPOSERS = ("drafter", "ngram")
 
 
 @dataclass
-class _Row:
+class Row:
+    """One running or waiting request: its prompt, parameters, output so far and per-row state."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -205,8 +206,8 @@ class Engine:
         self.static: StaticSteps | None = None
         if self.static_shapes:
             self.static = self._build_static_steps(cuda_graphs)
-        self.rows: list[_Row] = []  # row i lives in cache slot i
-        self.waiting: deque[_Row] = deque()
+        self.rows: list[Row] = []  # row i lives in cache slot i
+        self.waiting: deque[Row] = deque()
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
 
@@ -294,7 +295,7 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        row = _Row(
+        row = Row(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
             params=params,
@@ -395,7 +396,7 @@ class Engine:
                 self._remove_rows([i for i, r in enumerate(self.rows) if r.request_id in finished])
         return outputs
 
-    def _error_output(self, row: _Row, exc: Exception) -> RequestOutput:
+    def _error_output(self, row: Row, exc: Exception) -> RequestOutput:
         return RequestOutput(row.request_id, [], True, "error", row.stats, error=f"{type(exc).__name__}: {exc}")
 
     def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
@@ -419,7 +420,7 @@ class Engine:
                 self.rows[i] = self.rows[last]
             self.rows.pop()
 
-    def _sampling_batch(self, rows: list[_Row], uniforms: torch.Tensor | None) -> SamplingBatch:
+    def _sampling_batch(self, rows: list[Row], uniforms: torch.Tensor | None) -> SamplingBatch:
         dev = self.device
         return SamplingBatch(
             temperature=torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev),
@@ -429,7 +430,7 @@ class Engine:
             host_all_greedy=all(r.params.temperature <= 0 for r in rows),
         )
 
-    def _draw_uniforms(self, rows: list[_Row], count: int) -> torch.Tensor:
+    def _draw_uniforms(self, rows: list[Row], count: int) -> torch.Tensor:
         """`count` uniforms per sampling row from that row's own generator (a fixed number per step).
 
         Greedy rows get zeros and never touch their generators: no per-row work in greedy batches."""
@@ -475,20 +476,42 @@ class Engine:
             out += self._logprobs(self.target.lm_head(hidden[s:e]), prompt_ids[s + 1 : e + 1], top_n)
         return out
 
-    def _commit(self, row: _Row, tokens: list[int]) -> tuple[list[int], str | None, int | None]:
-        """Append tokens to a row, stopping exactly at a stop token or the token budget."""
+    def _commit(self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        """Append tokens to a row, stopping exactly at a stop token or the token budget, and advance
+        its processors: the step's output for the row (the caller adds the step's statistics)."""
         emitted: list[int] = []
+        reason, stop_tok = None, None
         for tok in tokens:
             row.output_ids.append(tok)
             emitted.append(tok)
             if tok in row.stop_ids:
-                return emitted, "stop", tok
+                reason, stop_tok = "stop", tok
+                break
             if len(row.output_ids) >= row.params.max_new_tokens:
-                return emitted, "length", None
-        return emitted, None, None
+                reason = "length"
+                break
+        error = None
+        if row.processor is not None:
+            row.processor.commit(emitted)
+            # Output that can no longer follow its grammar ends as an error, never as "stop".
+            error = row.processor.grammar_error
+            if error is not None:
+                reason = "error"
+        lp = logprobs[: len(emitted)] if logprobs is not None else None
+        return RequestOutput(
+            row.request_id,
+            emitted,
+            reason is not None,
+            reason,
+            row.stats,
+            lp,
+            stop_tok,
+            error=error,
+            client_error=error is not None,
+        )
 
     @torch.inference_mode()
-    def _prefill(self, new: list[_Row]) -> list[RequestOutput]:
+    def _prefill(self, new: list[Row]) -> list[RequestOutput]:
         """Admit rows: prompt forwards (rows sorted by length, split where padding would cost more
         than another forward), first token sampled from each prompt's last position."""
         self.policy.on_admit()
@@ -564,42 +587,24 @@ class Engine:
             for i in range(a, b):
                 row, tok = new[i], first[i]
                 if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
-                    emitted, reason, stop_tok, token_logprobs = [], "length", None, None
+                    output = RequestOutput(row.request_id, [], True, "length", row.stats)
                 else:
-                    emitted, reason, stop_tok = self._commit(row, [tok])
-                    token_logprobs = logprobs[i]
-                    if row.processor is not None:
-                        row.processor.commit(emitted)
-                grammar_error = row.processor.grammar_error if row.processor is not None else None
-                if grammar_error is not None:
-                    reason = "error"
+                    output = self._commit(row, [tok], logprobs[i])
+                output.prompt_logprobs = prompt_logprobs[i]
                 row.anchor = tok
-                outputs.append(
-                    RequestOutput(
-                        row.request_id,
-                        emitted,
-                        reason is not None,
-                        reason,
-                        row.stats,
-                        token_logprobs,
-                        stop_tok,
-                        error=grammar_error,
-                        client_error=grammar_error is not None,
-                        prompt_logprobs=prompt_logprobs[i],
-                    )
-                )
+                outputs.append(output)
                 if self.capture:
                     feats = features[g]
                     assert feats is not None
                     outputs[-1].features = feats[i - a, : lengths[i]].to(torch.float16).cpu()
-                if reason is not None:
+                if output.finished:
                     done.append(lo + i)
         self.last_timing = StepTiming("prefill", len(new), 0.0, time.perf_counter() - t0)
         self._remove_rows(done)
         return outputs
 
     def _propose(
-        self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+        self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
         """Draft the first `num_slots` slots of one block per row (slots lo..). Subclasses may
         propose differently (tests' oracle)."""
@@ -656,7 +661,7 @@ class Engine:
     def _propose_all(
         self,
         lo: int,
-        rows: list[_Row],
+        rows: list[Row],
         anchors: torch.Tensor,
         sampling: SamplingBatch,
         budgets: list[int],
@@ -707,7 +712,7 @@ class Engine:
     def _verify(
         self,
         lo: int,
-        rows: list[_Row],
+        rows: list[Row],
         anchors: torch.Tensor,
         sampling: SamplingBatch,
         uniforms: torch.Tensor,
@@ -791,7 +796,7 @@ class Engine:
     def _emit(
         self,
         lo: int,
-        rows: list[_Row],
+        rows: list[Row],
         out: TargetOutput,
         proposals: _Proposals,
         choice: StepChoice,
@@ -808,14 +813,7 @@ class Engine:
             plan = proposals.plans[i]
             if proposer == "ngram" and plan is not None:
                 self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.temperature <= 0)
-            emitted, reason, stop_tok = self._commit(row, new_tokens[i])
-            grammar_error = None
-            if row.processor is not None:
-                row.processor.commit(emitted)
-                # Output that can no longer follow its grammar ends as an error, never as "stop".
-                grammar_error = row.processor.grammar_error
-                if grammar_error is not None:
-                    reason = "error"
+            output = self._commit(row, new_tokens[i], logprobs[i])
             row.anchor = bonus_list[i]
             st = row.stats
             st.verify_steps += 1
@@ -828,28 +826,13 @@ class Engine:
             st.acceptance_lengths.append(a_i + 1)
             for j in range(a_i):
                 st.accepted_per_position[j] += 1
-            lp = logprobs[i][: len(emitted)] if logprobs[i] is not None else None
-            outputs.append(
-                RequestOutput(
-                    row.request_id,
-                    emitted,
-                    reason is not None,
-                    reason,
-                    st,
-                    lp,
-                    stop_tok,
-                    error=grammar_error,
-                    client_error=grammar_error is not None,
-                    step_draft_tokens=n_i,
-                    step_accepted=list(range(a_i)),
-                    is_verify_step=True,
-                    step_proposer=proposer,
-                )
-            )
+            output.step_draft_tokens, output.step_accepted = n_i, list(range(a_i))
+            output.is_verify_step, output.step_proposer = True, proposer
+            outputs.append(output)
             if self.capture:
                 assert out.features is not None
-                outputs[-1].features = out.features[i, : a_i + 1].to(torch.float16).cpu()
-            if reason is not None:
+                output.features = out.features[i, : a_i + 1].to(torch.float16).cpu()
+            if output.finished:
                 done.append(lo + i)
         return outputs, done
 

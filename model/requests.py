@@ -2,17 +2,20 @@
 
 `SamplingParams` (validated on `Engine.add_request`), `RequestOutput` (one step's tokens of one
 request) with its running `RequestStats`, and `StepTiming` for the worker's metrics. The engine
-module re-exports them; they live apart so the wire side can read them without the step code.
+module re-exports them; they live apart, torch-free, so the wire side can read them without the
+step code (tests/test_packaging.py checks it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the wire side imports this module: torch only for the annotation
+    import torch
 
 MAX_LOGPROBS = 20
+PROPOSERS = ("drafter", "ngram")  # who proposed a step's drafts (metrics labels)
 
 
 class ContextLengthError(ValueError):

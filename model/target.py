@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from model.attention import use_packed_attention
+from model.kvcache import move_slot
 
 
 class RaggedKVCache(Cache):
@@ -73,11 +74,8 @@ class RaggedKVCache(Cache):
         return self._kv_len
 
     def move_row(self, src: int, dst: int) -> None:
-        n = int(self.lengths[src])
-        for k, v in zip(self.keys, self.values):
-            k[dst, :, :n] = k[src, :, :n]
-            v[dst, :, :n] = v[src, :, :n]
-        self.lengths[dst] = self.lengths[src]
+        """Copy one row's context into another slot (used when compacting the batch)."""
+        move_slot(self.keys, self.values, self.lengths, src, dst)
 
 
 @dataclass

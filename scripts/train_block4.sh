@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 7 (models/README.md): the shipped block-8 Domino drafter re-blocked to 4 drafts per block
+# Round 7 (docs/history/rounds-06-10.md): the shipped block-8 Domino drafter re-blocked to 4 drafts per block
 # (no weight depends on the block size) and trained on over all 8 data shards. Block 4 won the
 # round-6 equal-wall-time comparison on this CPU (1.541 vs 1.465), and its forward costs about half
 # of a block-8 one in serving. Resumable: run it again with the same RUN to continue.

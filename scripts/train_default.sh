@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces the drafters shipped in models/ for the embedded SmolLM2-135M-Instruct target on a CPU
-# (models/README.md). The committed data (data/smollm2-135m-instruct: 8 shards of 1024 ShareGPT
+# Reproduces round 3's drafters for the embedded SmolLM2-135M-Instruct target on a CPU, the start of
+# the chain that led to the shipped ones (models/README.md, training history). The committed data (data/smollm2-135m-instruct: 8 shards of 1024 ShareGPT
 # train prompts, greedy answers of up to 256 tokens) came from scripts/train_default_gpu.sh's gen;
 # gen resumes here too (GEN=1). Every stage resumes: gen skips finished shards, features skips
 # stored shards, fit continues from its run directory (schedules continue, they never restart).
@@ -23,7 +23,7 @@ common=(--data $DATA --stored-only --taps $TAPS --no-qk-norm --layers 1 --block-
         --draft-vocab 8192 --batch-seqs 1 --anchors 32 --lr 6e-4 --threads 1 --save-every 500)
 $PY -m train fit "${common[@]}" --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2500 \
   --out runs/domino --run-dir runs/domino-run > runs/domino.log 2>&1
-# Same-budget comparisons (models/README.md): Domino vs DFlash, hard labels vs distillation.
+# Same-budget comparisons (docs/history/rounds-02-05.md): Domino vs DFlash, hard labels vs distillation.
 if [ "${COMPARE:-0}" = 1 ]; then
   for run in "domino-hard" "domino-distill --distill 0.5" "dflash-hard --no-head"; do
     set -- $run

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 10 (models/README.md): the shipped drafter trained on by 384k blocks more, twice at once (one
+# Round 10 (docs/history/rounds-06-10.md): the shipped drafter trained on by 384k blocks more, twice at once (one
 # core each) with one difference, the per-slot loss decay γ: 0.45·B = 1.8 at block 4 (fit's default)
 # against 1.1, which puts the slot weights near the τ gradient at ~0.4 conditional acceptance per
 # slot (1, 0.40, 0.16, 0.07). Same data (every stored shard), steps, seed and soft labels.

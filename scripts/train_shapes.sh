@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the CPU favours (models/README.md): block 8 vs 4 and 1 vs 2 draft layers at equal wall time,
+# What the CPU favours (docs/history/rounds-02-05.md, round 5; rounds-06-10.md, round 6): block 8 vs 4 and 1 vs 2 draft layers at equal wall time,
 # same data, seed and recipe; chosen on the validation walk (val.csv: τ and τ per slot), never on
 # the test slice. Needs the features of SHARDS stored (scripts/train_pair.sh stores 0 and 1).
 set -euo pipefail

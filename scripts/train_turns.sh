@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Round 8 (models/README.md): the shipped block-4 drafter trained on over the first-turn data plus
+# Round 8 (docs/history/rounds-06-10.md): the shipped block-4 drafter trained on over the first-turn data plus
 # the later-turn data (`gen --source later-turns`, data/smollm2-135m-instruct-turns). The later
 # turns' features are stored by a job beside fit (fit --stored-only picks each shard up as it
 # lands, every 500 steps); both jobs use one core each. Resumable: run it again with the same RUN.

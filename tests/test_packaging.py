@@ -31,17 +31,18 @@ def test_serving_requirements_carry_no_dev_tools() -> None:
     assert (serving | dev) <= pinned | {"jinja2"}
 
 
-def _imports(package: str) -> dict[str, set[str]]:
-    """Top-level modules imported anywhere (function bodies included) by each file of a package."""
+def _imports(package: str, full: bool = False) -> dict[str, set[str]]:
+    """Top-level modules (`full`: the whole dotted names) imported anywhere, function bodies
+    included, by each file of a package."""
     found: dict[str, set[str]] = {}
     for path in (REPO_ROOT / package).rglob("*.py"):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[0] for alias in node.names}
+                names |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module.split(".")[0])
-        found[str(path.relative_to(REPO_ROOT))] = names
+                names.add(node.module)
+        found[str(path.relative_to(REPO_ROOT))] = names if full else {n.split(".")[0] for n in names}
     return found
 
 
@@ -51,8 +52,14 @@ def test_serving_code_imports_no_dev_tools_and_no_trainer() -> None:
     for package in ("app", "model"):
         bad = {f: names & forbidden for f, names in _imports(package).items() if names & forbidden}
         assert not bad, bad
-    bench = {f: names & {"train"} for f, names in _imports("bench").items() if "train" in names}
-    assert not bench, bench  # benchmarks use model/, not the trainer
+    # Benchmarks use model/, not the trainer. The one exception is the prompt sources they share with
+    # it (train/data.py): bench/prompts/build.py writes the held-out complement of training's split.
+    trainer = {
+        f: {n for n in names if n.split(".")[0] == "train" and n != "train.data"}
+        for f, names in _imports("bench", full=True).items()
+    }
+    bench = {f: names for f, names in trainer.items() if names}
+    assert not bench, bench
 
 
 @pytest.mark.slow
@@ -116,3 +123,76 @@ print(model.__file__)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(venv) in proc.stdout.splitlines()[-1]  # the installed copy, not the checkout
     assert proc.stdout.count("share/domino-serve/models/smollm2-135m-") == 2
+
+
+# The wire side: what the worker hands results through, and everything that only reads requests
+# and events. None of it may pull in torch or the engine (model/requests.py is the torch-free half).
+WIRE_SIDE = (
+    "app.events",
+    "app.protocol",
+    "app.errors",
+    "app.detokenize",
+    "app.metrics",
+    "app.reasoning",
+    "app.tool_parser",
+    "app.tool_prompt",
+    "app.chat_output",
+    "app.partial",
+    "app.nesting",
+    "app.middleware",
+    "app.settings",
+    "model.requests",
+)
+
+
+def test_wire_side_types_import_no_torch_and_no_engine() -> None:
+    code = (
+        "import sys\n"
+        f"for name in {WIRE_SIDE!r}:\n"
+        "    __import__(name)\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')} | "
+        "{m for m in sys.modules if m in ('model.engine', 'model.target', 'model.drafter', 'model.grammar', "
+        "'app.worker')})\n"
+        "print(heavy)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _module_imports(path: Path) -> set[str]:
+    """Project modules a file imports at module level, `if TYPE_CHECKING:` included (a type-only
+    circle is still a circle for a reader); imports inside functions are deferred on purpose."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        for sub in ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node]:
+            if isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+                names.add(sub.module)
+                names |= {f"{sub.module}.{alias.name}" for alias in sub.names}
+            elif isinstance(sub, ast.Import):
+                names |= {alias.name for alias in sub.names}
+    return names
+
+
+def test_no_import_cycles_in_app_and_model() -> None:
+    modules: dict[str, Path] = {}
+    for package in ("app", "model"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: {m for m in _module_imports(path) if m in modules and m != name} for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

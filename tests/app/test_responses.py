@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from app.responses import sse
+from app.serving.responses import sse
 
 
 def test_sse_event_is_one_line_for_splitlines_readers() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.drafter import DraftResult
-from model.engine import ContextLengthError, Engine, SamplingParams, _Row
+from model.engine import ContextLengthError, Engine, Row, SamplingParams
 from model.prefix_cache import _Block
 from model.sampling import SamplingBatch
 from model.target import TargetModel
@@ -99,7 +99,7 @@ class OracleEngine(Engine):
         self.corrupt = set(corrupt)
 
     def _propose(
-        self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+        self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
         d = num_slots
         out = torch.zeros(len(rows), d, dtype=torch.long)
