@@ -3,6 +3,7 @@
 - `tests.fixtures.models`: tiny offline tokenizer/target/drafter, the embedded default target.
 - `tests.fixtures.servers`: `python -m app.main` on a loopback port (`server`, `server_factory`).
 - `tests.fixtures.prometheus`: a real Prometheus on a loopback port (`prometheus_factory`).
+- `tests.fixtures.waiting`: `wait_for()`, polling a condition with a deadline (a helper, not a fixture).
 
 The layout mirrors the code: tests/app, tests/model, tests/train, tests/bench; cross-cutting checks
 (container, packaging, scripts) stay here at the top.

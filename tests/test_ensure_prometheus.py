@@ -10,10 +10,10 @@ import os
 import shutil
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 from tests.fixtures import REPO_ROOT
+from tests.fixtures.waiting import wait_for
 
 SCRIPT = REPO_ROOT / "scripts" / "ensure_prometheus.sh"
 
@@ -69,10 +69,13 @@ echo $! > {service_pid}
         result = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         started = int(service_pid.read_text())
-        deadline = time.monotonic() + 10
-        while _alive(started) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(started), "the Prometheus the install started is still running"
+        # The script sends it SIGTERM and returns: the process is gone a moment later.
+        wait_for(
+            lambda: _alive(started),
+            until=lambda alive: not alive,
+            timeout=10,
+            what="the Prometheus the install started to stop",
+        )
         assert users.poll() is None, "the user's own Prometheus was stopped"
     finally:
         users.kill()

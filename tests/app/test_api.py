@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
+from tests.fixtures.waiting import wait_for
 
 MODEL = "tiny"
 PROMPTS = [
@@ -541,13 +542,12 @@ def test_16_concurrent_streams_match_greedy_alone(server: ServerProcess, tok: An
 
 
 def wait_idle(url: str, timeout: float = 10.0) -> dict[Any, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape_metrics(url)
-        busy = metric(samples, "domino_num_requests_running") + metric(samples, "domino_num_requests_waiting")
-        if busy == 0 or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.05)
+    """/metrics once nothing runs or waits (an assertion error if that never happens)."""
+
+    def busy(samples: dict[Any, float]) -> float:
+        return metric(samples, "domino_num_requests_running") + metric(samples, "domino_num_requests_waiting")
+
+    return wait_for(lambda: scrape_metrics(url), timeout, until=lambda s: busy(s) == 0, what="an idle server")
 
 
 def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:

@@ -19,6 +19,7 @@ from app.detokenize import OutputProcessor, TokenTexts
 from app.metrics import Metrics
 from app.worker import EngineWorker, SeqEvent, SequenceSpec
 from model.engine import RequestOutput, SamplingParams
+from tests.fixtures.waiting import wait_for
 
 MAX_MODEL_LEN = 64
 
@@ -135,12 +136,11 @@ def test_post_processing_failure_fails_that_request_alone(
         assert bad_events[-1].error == "RuntimeError: detokenizer exploded"
         assert (text_of(good_events), good_events[-1].finish_reason) == (want_text, want_finish)
         assert worker.healthy and worker.in_flight == 0
-        # The failed request's engine row was aborted, so its slot is free again.
-        for _ in range(50):
-            if worker.engine.num_running == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert worker.engine.num_running == 0
+        # The failed request's engine row was aborted, so its slot is free again once the engine's
+        # next step drops it (waited for off the loop, which must stay free for the worker's posts).
+        await asyncio.to_thread(
+            wait_for, lambda: worker.engine.num_running, until=lambda n: n == 0, timeout=10, what="a free engine row"
+        )
         assert worker.metrics.registry.get_sample_value("domino_request_errors_total", {"model_name": "tiny"}) == 1
 
     run_with_worker(engine_and_tokenizer, body, factory)

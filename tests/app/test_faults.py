@@ -22,6 +22,7 @@ from app.metrics import Metrics
 from app.worker import MAX_STEP_FAILURES, EngineWorker, SeqEvent, SequenceSpec, Unavailable
 from model.engine import SamplingParams
 from tests.fixtures.servers import ServerProcess
+from tests.fixtures.waiting import wait_for
 
 STICKY = "RuntimeError: CUDA error: an illegal memory access was encountered"
 
@@ -64,8 +65,11 @@ def test_dead_worker_fails_requests_waiting_for_admission(tiny_target_dir: Path,
             running = await worker.submit([SequenceSpec(0, [4, 5, 6], SamplingParams(max_new_tokens=4))])
             assert await asyncio.to_thread(entered.wait, 10)  # the worker is inside the step
             waiting = asyncio.ensure_future(worker.submit([SequenceSpec(0, [7, 8], SamplingParams())]))
-            await asyncio.sleep(0.2)
-            assert not waiting.done()  # its add command sits in the inbox behind the step
+            # Its add command sits in the inbox behind the step (awaited off the loop, so submit runs).
+            await asyncio.to_thread(
+                wait_for, worker.inbox.qsize, until=lambda n: n == 1, timeout=10, what="the add command in the inbox"
+            )
+            assert not waiting.done()
             gate.set()
             t0 = time.monotonic()
             with pytest.raises(Unavailable):
@@ -110,10 +114,10 @@ def test_repeated_engine_failures_of_one_kind_make_the_worker_unhealthy(
                 handle = await worker.submit([SequenceSpec(0, [4, 5 + i], SamplingParams(max_new_tokens=3))])
                 event = await final_event(handle)
                 assert (event.finish_reason, event.error) == ("error", STICKY)
-            for _ in range(100):
-                if not worker.healthy:
-                    break
-                await asyncio.sleep(0.02)
+            # The thread ends after posting the last failure (off the loop: the worker posts to it).
+            await asyncio.to_thread(
+                wait_for, lambda: worker.healthy, until=lambda ok: not ok, timeout=10, what="the worker to give up"
+            )
             assert worker.failed and not worker.healthy  # before the fix: healthy, failing every request
             with pytest.raises(Unavailable):
                 await worker.submit([SequenceSpec(0, [4, 5], SamplingParams())])

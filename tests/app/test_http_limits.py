@@ -13,6 +13,7 @@ import pytest
 
 from app.settings import Settings
 from tests.fixtures.servers import ServerProcess
+from tests.fixtures.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +73,17 @@ def test_idle_keep_alive_connections_are_closed(limited: ServerProcess) -> None:
         assert time.monotonic() - t0 < 3
 
 
+def health(srv: ServerProcess) -> int:
+    return httpx.get(srv.url + "/health", timeout=10).status_code
+
+
 def test_connections_beyond_the_limit_get_503(limited: ServerProcess) -> None:
     held = [connect(limited) for _ in range(3)]  # open connections count against limit_concurrency
     try:
-        time.sleep(0.3)
-        r = httpx.get(limited.url + "/health", timeout=10)
-        assert r.status_code == 503
+        # They count once the server has accepted them: until then a new request still gets 200.
+        wait_for(lambda: health(limited), until=lambda status: status == 503, timeout=10, what="503 at the limit")
     finally:
         for sock in held:
             sock.close()
-    time.sleep(0.3)
-    assert httpx.get(limited.url + "/health", timeout=10).status_code == 200
+    # And stop counting once the server has seen them close.
+    wait_for(lambda: health(limited), until=lambda status: status == 200, timeout=10, what="200 below the limit")

@@ -222,7 +222,7 @@ def send_traffic(srv: ServerProcess) -> None:
         for i in range(3):
             threads.append(threading.Thread(target=one, args=(wave * 3 + i,)))
             threads[-1].start()
-        time.sleep(1.0)
+        time.sleep(1.0)  # not synchronisation: traffic spread over a few 1 s scrapes, as a real load is
     for t in threads:
         t.join(120)
 
@@ -245,7 +245,12 @@ def test_every_dashboard_query_returns_data(live_prometheus: tuple[ServerProcess
     tokens = sum(v for (name, _), v in scrape_metrics(srv.url).items() if name == "domino_generation_tokens_total")
     assert tokens > 0
     prom.wait_until(lambda: float(prom.query("sum(domino_generation_tokens_total)")[0]["value"][1]) == tokens)
-    time.sleep(1.5)
+
+    def last_scrape() -> float:
+        return float(prom.query("max(timestamp(domino_generation_tokens_total))")[0]["value"][1])
+
+    with_final_counts = last_scrape()
+    prom.wait_until(lambda: last_scrape() > with_final_counts, what="a scrape after the one with the final counts")
     end = time.time()
 
     dashboard = load_dashboard()

@@ -24,6 +24,7 @@ from app.detokenize import OutputProcessor, TokenTexts
 from app.worker import EngineWorker, SequenceSpec
 from model.engine import RequestOutput, SamplingParams
 from tests.fixtures.servers import ServerProcess, free_port, metric, scrape_metrics
+from tests.fixtures.waiting import wait_for
 
 MODEL = "tiny"
 
@@ -33,17 +34,12 @@ def in_flight(url: str) -> float:
     return metric(samples, "domino_num_requests_running") + metric(samples, "domino_num_requests_waiting")
 
 
+def gauge(url: str, name: str) -> float:
+    return metric(scrape_metrics(url), name)
+
+
 def finished(url: str, reason: str) -> float:
     return metric(scrape_metrics(url), "domino_request_success_total", finished_reason=reason)
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def long_body(max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -67,7 +63,7 @@ def one_row(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_disconnect_while_waiting_for_a_row(one_row: ServerProcess, stream: bool) -> None:
     url = one_row.url
-    wait_for(lambda: in_flight(url) == 0, what="an idle server")
+    wait_for(lambda: in_flight(url), until=lambda n: n == 0, what="an idle server")
     aborts_before = finished(url, "abort")
     result: dict[str, Any] = {}
 
@@ -77,7 +73,7 @@ def test_disconnect_while_waiting_for_a_row(one_row: ServerProcess, stream: bool
 
     holder = threading.Thread(target=occupy)
     holder.start()
-    wait_for(lambda: metric(scrape_metrics(url), "domino_num_requests_running") == 1, what="the row to be taken")
+    wait_for(lambda: gauge(url, "domino_num_requests_running"), until=lambda n: n == 1, what="the row to be taken")
 
     # The second request is admitted and waits for the row; its client then goes away.
     with httpx.Client(base_url=url, timeout=httpx.Timeout(60, read=0.3)) as c:
@@ -89,13 +85,13 @@ def test_disconnect_while_waiting_for_a_row(one_row: ServerProcess, stream: bool
             else:
                 c.post("/v1/completions", json=long_body(50))
     # Its queued sequence is dropped while the first still runs: it never takes the row.
-    wait_for(lambda: metric(scrape_metrics(url), "domino_num_requests_waiting") == 0, what="the queue to empty")
+    wait_for(lambda: gauge(url, "domino_num_requests_waiting"), until=lambda n: n == 0, what="the queue to empty")
     assert holder.is_alive(), "the first request finished before the check: make it longer"
     holder.join(120)
     long = result["long"]
     assert long.status_code == 200 and long.json()["usage"]["completion_tokens"] == 400
     assert finished(url, "abort") == aborts_before + 1
-    wait_for(lambda: in_flight(url) == 0, what="nothing in flight")
+    wait_for(lambda: in_flight(url), until=lambda n: n == 0, what="nothing in flight")
     with httpx.Client(base_url=url, timeout=60) as c:
         assert c.get("/health").status_code == 200
         assert c.post("/v1/completions", json=long_body(3)).json()["usage"]["completion_tokens"] == 3
@@ -118,11 +114,14 @@ def test_abort_racing_finish_in_the_worker(tiny_target_dir: Path, tiny_drafter_d
         worker = EngineWorker(engine, tok, Metrics(MODEL, engine.num_drafts, 2), max_waiting=4)
         worker.start(asyncio.get_running_loop())
         reasons: dict[str, int] = {}
+        handles = []
         try:
             for i in range(60):
                 params = SamplingParams(max_new_tokens=1 + i % 4, ignore_eos=True)
                 handle = await worker.submit([SequenceSpec(0, [5, 6, 7], params)])
-                # 0..~2 steps of delay: before the prefill, between steps, right at the finish.
+                handles.append(handle)
+                # 0..~2 steps of delay: before the prefill, between steps, right at the finish. Not
+                # synchronisation: the spread of delays is what makes the abort race the finish.
                 delay = (i % 6) * 0.002
                 if delay:
                     await asyncio.sleep(delay)
@@ -136,14 +135,19 @@ def test_abort_racing_finish_in_the_worker(tiny_target_dir: Path, tiny_drafter_d
                 assert reason in ("length", "abort"), events[-1]
                 reasons[reason] = reasons.get(reason, 0) + 1
                 worker.abort(handle)  # after the finish: a no-op
-                await asyncio.sleep(0.01)
-                assert handle.events.empty(), "an event after the final one"
+            # A barrier instead of a sleep: the worker applies its commands in order and posts events to
+            # the loop in order, so once a later request has finished, any event it was going to send
+            # for the earlier ones (after their final event) has been delivered.
+            barrier = await worker.submit([SequenceSpec(0, [5, 6, 7], SamplingParams(max_new_tokens=2))])
+            while (await asyncio.wait_for(barrier.events.get(), 30)).finish_reason is None:
+                pass
+            late = [i for i, h in enumerate(handles) if not h.events.empty()]
+            assert not late, f"an event after the final one for requests {late}"
             assert worker.in_flight == 0 and worker.healthy
-            for _ in range(100):
-                if not engine.has_unfinished():
-                    break
-                await asyncio.sleep(0.01)
-            assert not engine.has_unfinished()
+            # An aborted row leaves the engine's batch at the start of its next step (wait off the loop).
+            await asyncio.to_thread(
+                wait_for, engine.has_unfinished, until=lambda busy: not busy, timeout=10, what="the engine to be idle"
+            )
             assert set(reasons) == {"length", "abort"}, reasons  # both sides of the race were hit
         finally:
             await asyncio.to_thread(worker.stop)
@@ -154,7 +158,7 @@ def test_abort_racing_finish_in_the_worker(tiny_target_dir: Path, tiny_drafter_d
 def test_abort_racing_finish_over_http(one_row: ServerProcess) -> None:
     """Clients that give up around the time their answer completes: the server ends consistent."""
     url = one_row.url
-    wait_for(lambda: in_flight(url) == 0, what="an idle server")
+    wait_for(lambda: in_flight(url), until=lambda n: n == 0, what="an idle server")
     errors_before = metric(scrape_metrics(url), "domino_request_errors_total")
     with httpx.Client(base_url=url, timeout=60) as c:
         t0 = time.monotonic()
@@ -176,13 +180,15 @@ def test_abort_racing_finish_over_http(one_row: ServerProcess) -> None:
         for batch in range(8):  # 5 at a time: within the 9 sequences the server admits
             # Requests whose clients gave up leave when the server sees the disconnect; on a loaded
             # machine that can lag the next batch, which would then be refused (429) for capacity.
-            await asyncio.to_thread(wait_for, lambda: in_flight(url) == 0, what="the previous batch to leave")
+            await asyncio.to_thread(
+                wait_for, lambda: in_flight(url), until=lambda n: n == 0, what="the previous batch to leave"
+            )
             out += await asyncio.gather(*(one(batch * 5 + i) for i in range(5)))
         return out
 
     outcomes = asyncio.run(run())
     assert "gone" in outcomes  # some did give up
-    wait_for(lambda: in_flight(url) == 0, what="nothing in flight")
+    wait_for(lambda: in_flight(url), until=lambda n: n == 0, what="nothing in flight")
     assert metric(scrape_metrics(url), "domino_request_errors_total") == errors_before
     with httpx.Client(base_url=url, timeout=60) as c:
         assert c.get("/health").status_code == 200
@@ -211,7 +217,7 @@ def test_sigterm_with_requests_queued_in_the_engine(server_factory: Callable[...
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(results))]
     for t in threads:
         t.start()
-    wait_for(lambda: metric(scrape_metrics(srv.url), "domino_num_requests_waiting") >= 5, what="a queue")
+    wait_for(lambda: gauge(srv.url, "domino_num_requests_waiting"), until=lambda n: n >= 5, what="a queue of 5")
     t0 = time.monotonic()
     srv.terminate()  # once, as docker stop does (a second SIGTERM during teardown would kill it)
     for t in threads:

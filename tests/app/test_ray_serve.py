@@ -31,6 +31,7 @@ from app.ray_serve import (
 )
 from app.settings import Settings
 from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
+from tests.fixtures.waiting import wait_for
 
 API_KEY = "ray-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -114,15 +115,22 @@ def wait_for_every_replica(srv: ServerProcess, timeout: float) -> None:
     from the controller asynchronously). Not for a count: with one replica the spread test must fail,
     not this."""
     deadline = time.monotonic() + timeout
-    expected: set[str] = set()
-    while not expected:
-        assert time.monotonic() < deadline, f"the application is not RUNNING:\n{srv.logs()}"
-        expected = running_replica_ids()
-        time.sleep(0.5)
+    try:
+        expected = wait_for(running_replica_ids, timeout, interval=0.5, what="the application to be RUNNING")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{srv.logs()}") from None
     seen: set[str] = set()
-    while not expected <= seen:
-        assert time.monotonic() < deadline, f"the proxy reached only {seen} of {expected}"
+
+    def reached() -> set[str]:
         seen.add(httpx.get(srv.url + "/health", timeout=30).headers.get(REPLICA_HEADER, ""))
+        return seen
+
+    wait_for(
+        reached,
+        max(0.0, deadline - time.monotonic()),  # one budget for both waits
+        until=lambda replicas: expected <= replicas,
+        what=f"the proxy to answer from every replica of {expected}",
+    )
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, on_start: Callable[[str], None] | None = None) -> dict:
@@ -209,14 +217,19 @@ def test_auth_and_back_pressure_pass_through_the_proxy(replicas: ServerProcess) 
 
 @pytest.mark.slow
 def test_metrics_show_every_replica(replicas: ServerProcess) -> None:
-    deadline = time.monotonic() + 15
-    while True:  # replicas push every second
+    def per_replica() -> tuple[set[str | None], dict[str, float]]:
         samples = scrape_metrics(replicas.url)
         names = {dict(labels).get("replica") for (name, labels) in samples if name == "domino_num_requests_running"}
-        generated = {r: metric(samples, "domino_generation_tokens_total", replica=r) for r in names if r}
-        if len(generated) == 2 and all(generated.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+        return names, {r: metric(samples, "domino_generation_tokens_total", replica=r) for r in names if r}
+
+    # Replicas push their metrics every second.
+    names, generated = wait_for(
+        per_replica,
+        15,
+        until=lambda seen: len(seen[1]) == 2 and all(seen[1].values()),
+        interval=0.5,
+        what="tokens from both replicas in /metrics",
+    )
     assert None not in names and len(names) == 2, names
     assert all(v > 0 for v in generated.values()), generated
 
@@ -266,18 +279,17 @@ def test_killing_a_replica_fails_only_its_requests_and_it_is_replaced(
         assert r["text"] == greedy_reference(tok.encode(prompt), 440)[1]
 
     # Ray starts a replacement; two replicas serve again, one of them new.
-    deadline = time.monotonic() + 120
     seen: set[str] = set()
-    while time.monotonic() < deadline:
+
+    def serving() -> set[str]:
         r = httpx.post(
             replicas.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, headers=AUTH, timeout=60
         )
         if r.status_code == 200:
             seen.add(r.headers[REPLICA_HEADER])
-        if len(seen - {victim}) == 2:
-            break
-        time.sleep(0.2)
-    assert len(seen - {victim}) == 2, seen
+        return seen - {victim}
+
+    wait_for(serving, 120, until=lambda live: len(live) == 2, interval=0.2, what="two live replicas, one of them new")
 
 
 # -- without a cluster -----------------------------------------------------------------------------------

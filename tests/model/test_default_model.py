@@ -7,6 +7,7 @@ suite still covers the manifest, locking and error paths.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from model import default_model as dm
+from tests.fixtures.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -171,12 +173,22 @@ def test_verify_rejects_other_sources(tmp_path: Path) -> None:
 
 def test_concurrent_callers_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
+    at_lock: list[int] = []
+    real_lock = dm._file_lock
+
+    @contextlib.contextmanager
+    def recorded_lock(path: Path) -> Iterator[None]:
+        at_lock.append(threading.get_ident())  # past the fast path: from here on a caller goes through the lock
+        with real_lock(path):
+            yield
 
     def fake_build(cache_dir: Path, final: Path, progress: bool) -> None:
         calls.append(threading.get_ident())
-        time.sleep(0.3)  # long enough for the other caller to be waiting on the lock
+        # Build only once the other caller is past the fast path too, so it must wait for this lock.
+        wait_for(lambda: len(at_lock), until=lambda n: n == 2, timeout=10, what="the other caller at the lock")
         _fake_model_dir(final)
 
+    monkeypatch.setattr(dm, "_file_lock", recorded_lock)
     monkeypatch.setattr(dm, "_build", fake_build)
     results: list[Path] = []
     threads = [
