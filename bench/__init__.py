@@ -1,16 +1,6 @@
-"""Benchmarks (docs/benchmarks.md). `save_result` is the shared tail of the single-table ones."""
+"""Benchmarks (docs/benchmarks.md): one script per measurement, run as `python -m bench.X`.
 
-from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
-
-
-def save_result(result: dict[str, Any], json_path: str | Path, table: str) -> None:
-    """Write `result` as JSON and its Markdown `table` beside it (same stem, .md), and print the table."""
-    path = Path(json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    path.with_suffix(".md").write_text(table + "\n")
-    print(table)
+Shared pieces: bench/common.py (the GPU benchmarks' shapes, builders, timing and environment),
+bench/report.py (Markdown rendering and writing results), bench/load_results.py (the load test's
+summaries and files).
+"""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench import save_result
+from bench.report import save_result
 from model.checkpoint import load_drafter
 from model.drafter import Drafter
 from model.engine import Engine

@@ -240,24 +240,14 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
         for mode, m in spec.items():
             lengths = m["acceptance_lengths"]
             ax.hist(lengths, bins=range(1, max(lengths) + 2), alpha=0.5, label=mode, align="left")
-        ax.set_xlabel("tokens committed per verify step (τ)")
-        ax.set_ylabel("steps")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(f"{stem}_tau_hist.png", dpi=100)
-        plt.close(fig)
+        _save_legended(plt, fig, ax, "tokens committed per verify step (τ)", "steps", f"{stem}_tau_hist.png")
         fig, ax = plt.subplots(figsize=(6, 4))
         for mode, m in spec.items():
             if m["acceptance_by_position"]:
-                ax.plot(
-                    range(1, len(m["acceptance_by_position"]) + 1), m["acceptance_by_position"], marker="o", label=mode
-                )
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("accepted per verify step")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(f"{stem}_acceptance_by_position.png", dpi=100)
-        plt.close(fig)
+                by_slot = m["acceptance_by_position"]
+                ax.plot(range(1, len(by_slot) + 1), by_slot, marker="o", label=mode)
+        path = f"{stem}_acceptance_by_position.png"
+        _save_legended(plt, fig, ax, "draft position", "accepted per verify step", path)
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [k for k, v in result["modes"].items() if v["speedup"] is not None]
     ax.bar(names, [result["modes"][k]["speedup"] for k in names])
@@ -266,6 +256,16 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
     plt.setp(ax.get_xticklabels(), rotation=20)
     fig.tight_layout()
     fig.savefig(f"{stem}_speedup.png", dpi=100)
+    plt.close(fig)
+
+
+def _save_legended(plt: Any, fig: Any, ax: Any, xlabel: str, ylabel: str, path: str) -> None:
+    """Label the axes, add the legend, save (100 dpi) and close: the per-mode figures' common tail."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

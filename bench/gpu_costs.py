@@ -33,45 +33,20 @@ Step costs do not depend on acceptance (every verify runs all drafts; rollback i
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import json
-import math
-import platform
-import statistics
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from model.drafter import DraftContextCache, Drafter, DrafterConfig, count_parameters, default_target_layer_ids
+from bench import common
+from bench.report import costs_markdown, run_and_report
+from model.drafter import DraftContextCache, Drafter, count_parameters
 from model.engine import Engine, SamplingParams
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 
-# Qwen/Qwen3-8B config.json (text part) and Huang2020/Qwen3-8B-Domino-b16 (the published configs; docs/design.md §2).
-QWEN3_8B = {
-    "num_hidden_layers": 36,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 12288,
-    "vocab_size": 151936,
-}
-DOMINO_8B = {
-    "num_hidden_layers": 5,
-    "block_size": 16,
-    "mask_token_id": 151669,
-    "gru_hidden_dim": 1024,
-    "emb_dim": 256,
-}
 PUBLISHED = {
     "source": "Domino paper, Qwen3-8B, Transformers backend, batch 1, A100, T = 0",
     "domino": {"tau": 7.17, "speedup": 5.49, "head_latency_overhead": 0.028},
@@ -97,141 +72,6 @@ DEFINITIONS = {
 }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 17)
 MODES = ("ar", "dflash", "domino")
-# Engine variants: (static_shapes, cuda_graphs). eager is the dynamic path (the default on the CPU).
-VARIANTS: dict[str, tuple[bool, bool]] = {"eager": (False, False), "static": (True, False), "graph": (True, True)}
-
-
-# -- model shapes ------------------------------------------------------------------------------
-
-
-def scaled_shapes(scale: int, layers_scale: int = 1) -> dict[str, int]:
-    """Qwen3-8B / Domino-b16 widths divided by `scale`, layer counts by `layers_scale`.
-
-    head_dim stays 128 and the head counts shrink instead (at least one, GQA kept while possible):
-    shrinking head_dim to 8 would make attention kernels unrepresentative.
-    """
-    if scale < 1 or layers_scale < 1:
-        raise ValueError("scales must be >= 1")
-    hidden = QWEN3_8B["hidden_size"] // scale
-    if hidden < 32:
-        raise ValueError(f"--scale {scale} leaves a hidden size of {hidden}; use at most 128")
-    vocab = QWEN3_8B["vocab_size"] // scale
-    heads = max(1, QWEN3_8B["num_attention_heads"] // scale)
-    kv_heads = max(1, QWEN3_8B["num_key_value_heads"] // scale)
-    while heads % kv_heads:  # GQA needs whole groups
-        kv_heads -= 1
-    return {
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": QWEN3_8B["head_dim"],
-        "intermediate_size": QWEN3_8B["intermediate_size"] // scale,
-        "vocab_size": vocab,
-        "target_layers": max(1, QWEN3_8B["num_hidden_layers"] // layers_scale),
-        "draft_layers": max(1, DOMINO_8B["num_hidden_layers"] // layers_scale),
-        "gru_hidden_dim": max(1, DOMINO_8B["gru_hidden_dim"] // scale),
-        "emb_dim": max(1, DOMINO_8B["emb_dim"] // scale),
-        # A never-produced row of the (scaled) vocabulary, like Qwen3's <|mask|>.
-        "mask_token_id": min(DOMINO_8B["mask_token_id"] // scale, vocab - 1),
-        "block_size": DOMINO_8B["block_size"],
-    }
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def build_target(shapes: dict[str, int], dtype: torch.dtype, device: torch.device) -> TargetModel:
-    config = Qwen3Config(
-        vocab_size=shapes["vocab_size"],
-        hidden_size=shapes["hidden_size"],
-        intermediate_size=shapes["intermediate_size"],
-        num_hidden_layers=shapes["target_layers"],
-        num_attention_heads=shapes["num_attention_heads"],
-        num_key_value_heads=shapes["num_key_value_heads"],
-        head_dim=shapes["head_dim"],
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    # Parameters are created (and randomly initialised) on the device in the target dtype: the
-    # full-size model is ~16 GB in bf16 and must never exist as an fp32 copy or on the host.
-    with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return TargetModel(model.eval())
-
-
-def build_drafter(shapes: dict[str, int], dtype: torch.dtype, device: torch.device) -> Drafter:
-    cfg = DrafterConfig(
-        hidden_size=shapes["hidden_size"],
-        num_hidden_layers=shapes["draft_layers"],
-        num_attention_heads=shapes["num_attention_heads"],
-        num_key_value_heads=shapes["num_key_value_heads"],
-        head_dim=shapes["head_dim"],
-        intermediate_size=shapes["intermediate_size"],
-        vocab_size=shapes["vocab_size"],
-        block_size=shapes["block_size"],
-        # Clamped so that --layers-scale never asks for a layer the shrunken target lacks.
-        target_layer_ids=[
-            min(max(i, 0), shapes["target_layers"] - 1)
-            for i in default_target_layer_ids(shapes["target_layers"], shapes["draft_layers"])
-        ],
-        num_target_layers=shapes["target_layers"],
-        mask_token_id=shapes["mask_token_id"],
-        projector_type="domino",
-        shift_label=True,
-        gru_hidden_dim=shapes["gru_hidden_dim"],
-        emb_dim=shapes["emb_dim"],
-    )
-    with torch.device(device), default_dtype(dtype):
-        drafter = Drafter(cfg)
-    return drafter.eval()
-
-
-# -- timing ------------------------------------------------------------------------------------
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of fn(): CUDA events on CUDA, perf_counter around synchronised work elsewhere."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def greedy_sampling(rows: int, device: torch.device) -> SamplingBatch:
@@ -251,8 +91,9 @@ def measure_forwards(
     batch: int,
     contexts: list[int],
     tokens: list[int],
-    args: argparse.Namespace,
     device: torch.device,
+    warmup: int,
+    repeats: int,
 ) -> dict[int, dict[str, Any]]:
     """Bare target / drafter times per context length for one batch size."""
     cfg = drafter.config
@@ -263,7 +104,7 @@ def measure_forwards(
     dcache = DraftContextCache(cfg, batch, capacity, target.dtype, device)
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = target.vocab_size
-    timed = partial(time_ms, device=device, warmup=args.warmup, repeats=args.repeats)
+    timed = partial(common.time_ms, device=device, warmup=warmup, repeats=repeats)
     out: dict[int, dict[str, Any]] = {}
     for ctx in contexts:
         # Rows look ctx tokens long: forwards attend over a full context (buffer content is zeros).
@@ -325,18 +166,19 @@ def measure_engine(
     mode: str,
     batch: int,
     contexts: list[int],
-    args: argparse.Namespace,
     device: torch.device,
+    warmup: int,
+    repeats: int,
     variant: str = "eager",
 ) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
     """Median `Engine.step()` time of a full batch of decode rows at each context length, and of the
     engine's verify and proposal calls; with the engine's capacity and static-shape warm-up."""
-    static_shapes, cuda_graphs = VARIANTS[variant]
-    steps = (args.warmup + args.repeats) * len(contexts)
+    static_shapes, cuda_graphs = common.VARIANTS[variant]
+    steps = (warmup + repeats) * len(contexts)
     b = drafter.config.block_size
     # Room for every timed step's output (rows must not finish while being timed).
     max_model_len = max(contexts) + (b + 1) * (steps + 2) + 8
-    free_memory(device)
+    common.free_memory(device)
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     # draft_policy "fixed" verifies every draft: the published numbers (and the projection here)
     # are for full blocks, and the adaptive policy would shrink them for a random drafter.
@@ -350,10 +192,10 @@ def measure_engine(
         static_shapes=static_shapes,
         cuda_graphs=cuda_graphs,
     )
-    report = engine.static.report if engine.static is not None else None
+    warm = common.static_warmup(engine)
     info: dict[str, Any] = {"capacity": engine.cache.capacity, "warmup": None}
-    if report is not None:
-        info["warmup"] = {**asdict(report), "memory_mib": report.memory_bytes / 2**20, "pools_mib": 0.0}
+    if warm is not None:
+        info["warmup"] = {**warm, "pools_mib": 0.0}
         if device.type == "cuda":
             # The report counts tensors alive after warm-up; the graphs' private pools stay reserved
             # beyond that. Reserved growth over the engine's build minus its caches bounds both.
@@ -369,7 +211,7 @@ def measure_engine(
         engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=max_model_len - prompt_len))
     engine.step()  # prefill of the short prompts; the context length is then set directly
     assert engine.num_running == batch, "all rows must be running"
-    timed = partial(time_ms, device=device, warmup=args.warmup, repeats=args.repeats)
+    timed = partial(common.time_ms, device=device, warmup=warmup, repeats=repeats)
     out: dict[int, dict[str, Any]] = {}
     for ctx in contexts:
 
@@ -438,235 +280,53 @@ def project(row: dict[str, Any], block_size: int, tau_domino: float, tau_dflash:
     return out
 
 
-# -- reporting ---------------------------------------------------------------------------------
-
-
-def markdown(result: dict[str, Any]) -> str:
-    env, rows = result["environment"], result["rows"]
-    tokens = result["config"]["tokens"]
-    pub = result["published"]
-    lines = [
-        f"## GPU costs: {env['device_name']}, {env['dtype']}, scale 1/{result['config']['scale']}"
-        f" (layers 1/{result['config']['layers_scale']})",
-        "",
-        f"Target {result['shapes']['target_layers']} layers x hidden {result['shapes']['hidden_size']}, "
-        f"vocab {result['shapes']['vocab_size']} ({env['target_params'] / 1e6:.1f} M params); drafter "
-        f"{result['shapes']['draft_layers']} layers, block {result['shapes']['block_size']} "
-        f"(backbone {env['drafter_params']['backbone'] / 1e6:.1f} M, "
-        f"head {env['drafter_params']['head'] / 1e6:.2f} M). "
-        f"Medians of {result['config']['repeats']} runs after {result['config']['warmup']} warm-up, in ms.",
-        "",
-        "### Target forward (T new tokens per row)",
-        "",
-        "| batch | context | " + " | ".join(f"T={t}" for t in tokens) + " |",
-        "|---|---|" + "---|" * len(tokens),
-    ]
-    for r in rows:
-        cells = " | ".join(f"{r['target_ms'][t]:.2f}" for t in tokens)
-        lines.append(f"| {r['batch']} | {r['context']} | {cells} |")
-    lines += [
-        "",
-        "### Drafter and engine",
-        "",
-        "| batch | context | backbone | draft (head off) | draft (Domino) | head | append | "
-        "engine step (dynamic) ar / dflash / domino | engine overhead ar / dflash / domino |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        steps = " / ".join(f"{r['engine'][m]['step_ms']:.2f}" for m in MODES)
-        over = " / ".join(f"{r['engine_overhead_ms'][m]:.2f}" for m in MODES)
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['backbone_ms']:.2f} | {r['draft_base_ms']:.2f} | "
-            f"{r['draft_domino_ms']:.2f} | {r['head_ms']:.2f} | {r['append_ms']:.2f} | {steps} | {over} |"
-        )
-    d_pub, f_pub = pub["domino"], pub["dflash"]
-    lines += [
-        "",
-        "### Projection (tau from the paper; speedup = tau * t_target(1) / (t_draft + t_verify))",
-        "",
-        "| batch | context | Domino step/t1 | Domino speedup | Domino speedup (engine steps) | head overhead | "
-        "DFlash step/t1 | DFlash speedup | DFlash speedup (engine steps) |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| published | | {d_pub['tau'] / d_pub['speedup']:.3f} | {d_pub['speedup']:.2f}x | | "
-        f"+{100 * d_pub['head_latency_overhead']:.1f} % | {f_pub['tau'] / f_pub['speedup']:.3f} | "
-        f"{f_pub['speedup']:.2f}x | |",
-    ]
-    for r in rows:
-        d, f = r["projection"]["domino"], r["projection"]["dflash"]
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {d['step_over_t1']:.3f} | {d['speedup']:.2f}x | "
-            f"{d['speedup_engine']:.2f}x | +{100 * d['head_overhead']:.1f} % | {f['step_over_t1']:.3f} | "
-            f"{f['speedup']:.2f}x | {f['speedup_engine']:.2f}x |"
-        )
-    lines += [
-        "",
-        f"tau used: Domino {result['config']['tau']}, DFlash {result['config']['tau_dflash']}. "
-        f"Published ({pub['source']}): Domino tau {d_pub['tau']} -> "
-        f"{d_pub['speedup']}x, head +{100 * d_pub['head_latency_overhead']:.1f} % latency; DFlash tau "
-        f"{f_pub['tau']} -> {f_pub['speedup']}x.",
-        "",
-    ]
-    return "\n".join(lines + markdown_graphs(result))
-
-
-PART_LABELS = {
-    "verify": "verify T={} ({})",
-    "propose_dflash": "propose (dflash: backbone + base draft)",
-    "propose_domino": "propose (domino: backbone + head loop)",
-    "step_ar": "engine step ar",
-    "step_dflash": "engine step dflash",
-    "step_domino": "engine step domino",
-}
-
-
-def markdown_graphs(result: dict[str, Any]) -> list[str]:
-    """The graph-vs-eager table and the static engines' warm-up, when variants beyond eager ran."""
-    variants = result["config"]["variants"]
-    if variants == ["eager"]:
-        return []
-    ratio = "graph" in variants
-    lines = [
-        "### Graph vs eager (ms)",
-        "",
-        "eager: the dynamic path; static: static-shape buckets run eagerly; graph: the buckets replayed as "
-        "CUDA graphs (on the CPU: the same as static). Static-shape forwards attend over the engine's whole "
-        "cache capacity (see the warm-up table), whatever the context.",
-        "",
-        "| batch | context | part | " + " | ".join(variants) + (" | eager / graph |" if ratio else ""),
-        "|---|---|---|" + "---|" * (len(variants) + ratio),
-    ]
-    for r in result["rows"]:
-        for part, times in r["graph_vs_eager"].items():
-            if part.startswith("verify_"):
-                t = int(part.removeprefix("verify_"))
-                label = PART_LABELS["verify"].format(t, "ar" if t == 1 else "domino")
-            else:
-                label = PART_LABELS[part]
-            cells = " | ".join(f"{times[v]:.2f}" for v in variants)
-            extra = f" | {times['eager'] / times['graph']:.2f}x |" if ratio else " |"
-            lines.append(f"| {r['batch']} | {r['context']} | {label} | {cells}{extra}")
-    if ratio:
-        lines += [
-            "",
-            "Projection from graph engine steps (tau * graph ar step / graph step): "
-            + "; ".join(
-                f"batch {r['batch']} context {r['context']}: Domino "
-                f"{r['projection']['domino']['speedup_graph']:.2f}x, DFlash "
-                f"{r['projection']['dflash']['speedup_graph']:.2f}x"
-                for r in result["rows"]
-            )
-            + ".",
-        ]
-    lines += [
-        "",
-        "### Static-shape warm-up (every bucket built, and on CUDA captured, at engine start)",
-        "",
-        "MiB: the warm-up report's (tensors alive after it); reserved: the allocator's growth over the "
-        "engine's build beyond its KV caches (graph pools included; 0 on the CPU).",
-        "",
-        "| batch | mode | variant | capacity | CUDA graphs | eager buckets | seconds | MiB | reserved MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for w in result["warmup"]:
-        lines.append(
-            f"| {w['batch']} | {w['mode']} | {w['variant']} | {w['capacity']} | {w['graphs']} | {w['eager']} | "
-            f"{w['seconds']:.2f} | {w['memory_mib']:.0f} | {w['pools_mib']:.0f} |"
-        )
-    return lines + [""]
-
-
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+# -- the run -----------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", type=int, default=1, help="divide every width by K (CPU runs: 16)")
-    p.add_argument("--layers-scale", type=int, default=1, help="also divide layer counts by K")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="auto: bf16 on CUDA, fp32 on the CPU",
-    )
+    common.add_shape_args(p, dtype_help="auto: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--tau", type=float, default=PUBLISHED["domino"]["tau"], help="Domino acceptance length")
     p.add_argument("--tau-dflash", type=float, default=PUBLISHED["dflash"]["tau"], help="DFlash acceptance length")
-    p.add_argument("--contexts", type=parse_ints, default=[512, 2048])
-    p.add_argument("--batch-sizes", type=parse_ints, default=[1, 4, 16])
+    p.add_argument("--contexts", type=common.parse_ints, default=[512, 2048])
+    p.add_argument("--batch-sizes", type=common.parse_ints, default=[1, 4, 16])
     p.add_argument(
         "--tokens",
-        type=parse_ints,
+        type=common.parse_ints,
         default=list(DEFAULT_TOKENS),
         help="new tokens per row for the target forwards (1, B and B + 1 are always added)",
     )
     p.add_argument(
         "--variants",
-        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
-        default=list(VARIANTS),
-        help=f"engine variants to time, of {','.join(VARIANTS)} (eager always runs: the tables above use it)",
+        type=common.parse_names,
+        default=list(common.VARIANTS),
+        help=f"engine variants to time, of {','.join(common.VARIANTS)} (eager always runs: the tables above use it)",
     )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--markdown", type=Path, default=None, help="write the Markdown report here")
+    common.add_output_args(p)
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     if not args.contexts or not args.batch_sizes or min(args.contexts) < 1 or min(args.batch_sizes) < 1:
         p.error("--contexts and --batch-sizes need positive values")
-    unknown = set(args.variants) - set(VARIANTS)
+    unknown = set(args.variants) - set(common.VARIANTS)
     if unknown:
-        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
-    args.variants = [v for v in VARIANTS if v == "eager" or v in args.variants]
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(common.VARIANTS)}")
+    args.variants = [v for v in common.VARIANTS if v == "eager" or v in args.variants]
     return args
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-
-
-def environment(device: torch.device, dtype: torch.dtype, build_s: float) -> dict[str, Any]:
-    """What a result was measured on (both GPU benchmarks report it)."""
-    return {
-        "device": str(device),
-        "device_name": device_name(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "build_seconds": build_s,
-    }
-
-
-def device_and_dtype(device_arg: str, dtype_arg: str) -> tuple[torch.device, torch.dtype]:
-    """--device / --dtype: auto is CUDA when present, and bf16 there, fp32 on the CPU."""
-    if device_arg == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(device_arg)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    return device, dtypes.get(dtype_arg) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every measurement; `on_batch` gets the results so far after each batch size (partial runs
     still report when a later batch size fails or runs out of time)."""
-    device, dtype = device_and_dtype(args.device, args.dtype)
-    if device.type == "cpu" and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-
-    shapes = scaled_shapes(args.scale, args.layers_scale)
+    device, dtype = common.start(args)
+    shapes = common.scaled_shapes(args.scale, args.layers_scale)
     b = shapes["block_size"]
     tokens = sorted(set(args.tokens) | {1, b, b + 1})
     t0 = time.perf_counter()
-    target = build_target(shapes, dtype, device)
-    drafter = build_drafter(shapes, dtype, device)
+    target = common.build_target(shapes, dtype, device)
+    drafter = common.build_drafter(shapes, dtype, device)
     drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
     build_s = time.perf_counter() - t0
 
@@ -674,18 +334,16 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
     warmups: list[dict[str, Any]] = []
 
     def result(complete: bool) -> dict[str, Any]:
-        env = {
-            **environment(device, dtype, build_s),
-            "target_params": sum(p.numel() for p in target.hf_model.parameters()),
-            "drafter_params": count_parameters(drafter),
-        }
-        if device.type == "cuda":
-            env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        config["tokens"] = tokens
+        env = common.measured_on(
+            device,
+            dtype,
+            build_s,
+            target_params=sum(p.numel() for p in target.hf_model.parameters()),
+            drafter_params=count_parameters(drafter),
+        )
         return {
             "complete": complete,
-            "config": config,
+            "config": {**common.flags(args), "tokens": tokens},
             "environment": env,
             "shapes": shapes,
             "published": PUBLISHED,
@@ -696,19 +354,19 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
 
     with torch.inference_mode():
         for batch in args.batch_sizes:
-            bare = measure_forwards(target, drafter, batch, args.contexts, tokens, args, device)
+            bare = measure_forwards(target, drafter, batch, args.contexts, tokens, device, args.warmup, args.repeats)
             engines: dict[str, dict[str, dict[int, dict[str, Any]]]] = {v: {} for v in args.variants}
             for variant in args.variants:
                 for m in MODES:
                     engines[variant][m], info = measure_engine(
-                        target, drafter, m, batch, args.contexts, args, device, variant
+                        target, drafter, m, batch, args.contexts, device, args.warmup, args.repeats, variant
                     )
                     if info["warmup"] is not None:
                         warmups.append(
                             {"batch": batch, "mode": m, "variant": variant, "capacity": info["capacity"]}
                             | info["warmup"]
                         )
-                    free_memory(device)  # each engine brings its own full-size caches (and graphs)
+                    common.free_memory(device)  # each engine brings its own full-size caches (and graphs)
             for ctx in args.contexts:
                 row = {"batch": batch, "context": ctx, **bare[ctx]}
                 row["engine"] = {m: engines["eager"][m][ctx] for m in MODES}
@@ -727,42 +385,8 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
     return result(complete=True)
 
 
-def json_ready(obj: Any) -> Any:
-    """int dict keys (token counts) become strings; non-finite floats would not be valid JSON."""
-    if isinstance(obj, dict):
-        return {str(k): json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [json_ready(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
-def write_reports(result: dict[str, Any], report: str, json_path: Path | None, md_path: Path | None) -> None:
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(json_ready(result), indent=2) + "\n")
-    if md_path is not None:
-        md_path.parent.mkdir(parents=True, exist_ok=True)
-        md_path.write_text(report)
-
-
-def run_and_report(
-    args: argparse.Namespace,
-    run_fn: Callable[[argparse.Namespace, Callable[[dict[str, Any]], None]], dict[str, Any]],
-    markdown_fn: Callable[[dict[str, Any]], str],
-) -> dict[str, Any]:
-    """Run a GPU benchmark, writing its reports after each batch size ("complete": false until
-    the end) and once more, printed, at the end (both GPU benchmarks)."""
-    result = run_fn(args, lambda partial: write_reports(partial, markdown_fn(partial), args.json, args.markdown))
-    report = markdown_fn(result)
-    print(report)
-    write_reports(result, report, args.json, args.markdown)
-    return result
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return run_and_report(parse_args(argv), run, markdown)
+    return run_and_report(parse_args(argv), run, costs_markdown)
 
 
 if __name__ == "__main__":

@@ -29,26 +29,14 @@ import argparse
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.gpu_costs import (
-    VARIANTS,
-    build_drafter,
-    build_target,
-    device_and_dtype,
-    environment,
-    free_memory,
-    parse_ints,
-    run_and_report,
-    scaled_shapes,
-    synchronize,
-)
+from bench import common
+from bench.report import e2e_markdown, run_and_report
 from model.drafter import Drafter, DraftResult
-from model.engine import Engine, SamplingParams, _Row
+from model.engine import Engine, Row, SamplingParams
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 
@@ -137,7 +125,7 @@ class OracleEngine(Engine):
         self.tau, self.proposals = tau, 0
 
     def _propose(
-        self, lo: int, rows: list[_Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+        self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
         draft = super()._propose(lo, rows, anchors, sampling, num_slots)  # the drafter's real cost
         right = self.chain[anchors, :num_slots]
@@ -172,12 +160,12 @@ def decode(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dic
     collect(engine.step())  # the prefill: every row is admitted together
     if engine.num_waiting:
         raise RuntimeError("max_batch_size must hold every prompt")
-    synchronize(engine.device)
+    common.synchronize(engine.device)
     t0, steps = time.perf_counter(), 0
     while engine.has_unfinished():
         collect(engine.step())
         steps += 1
-    synchronize(engine.device)
+    common.synchronize(engine.device)
     seconds = time.perf_counter() - t0
     decoded = sum(len(t) - 1 for t in tokens.values())
     all_lengths = [n for rid in ids for n in lengths.get(rid, [])]
@@ -230,29 +218,26 @@ def build_engine(
     max_model_len: int,
     chain: torch.Tensor,
 ) -> Engine:
-    static_shapes, cuda_graphs = VARIANTS[variant]
-    common: dict[str, Any] = {
+    static_shapes, cuda_graphs = common.VARIANTS[variant]
+    shared: dict[str, Any] = {
         "max_batch_size": batch,
         "max_model_len": max_model_len,
         "static_shapes": static_shapes,
         "cuda_graphs": cuda_graphs,
     }
     if mode == "ar":
-        return Engine(target, None, mode="ar", **common)
+        return Engine(target, None, mode="ar", **shared)
     # fixed: every draft is verified (full blocks, as the published numbers); no n-gram copies.
-    return OracleEngine(target, drafter, mode=mode, draft_policy="fixed", ngram=False, chain=chain, **common)
+    return OracleEngine(target, drafter, mode=mode, draft_policy="fixed", ngram=False, chain=chain, **shared)
 
 
 def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every engine at every batch size; `on_batch` gets the results so far after each batch size."""
-    device, dtype = device_and_dtype(args.device, args.dtype)
-    if device.type == "cpu" and args.threads > 0:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    shapes = scaled_shapes(args.scale, args.layers_scale)
+    device, dtype = common.start(args)
+    shapes = common.scaled_shapes(args.scale, args.layers_scale)
     t0 = time.perf_counter()
-    target = build_target(shapes, dtype, device)
-    drafter = build_drafter(shapes, dtype, device)
+    target = common.build_target(shapes, dtype, device)
+    drafter = common.build_drafter(shapes, dtype, device)
     succ = plant_successor(target, args.seed, args.embed_rms)
     planted = check_planted(target, succ, args.seed + 1)
     num_drafts = drafter.config.num_drafts
@@ -263,11 +248,14 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
 
     def result(complete: bool) -> dict[str, Any]:
         add_ratios(records)
-        env = {**environment(device, dtype, build_s), "planted": planted}
-        if device.type == "cuda":
-            env["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        return {"complete": complete, "config": config, "environment": env, "shapes": shapes, "records": records}
+        env = common.measured_on(device, dtype, build_s, planted=planted)
+        return {
+            "complete": complete,
+            "config": common.flags(args),
+            "environment": env,
+            "shapes": shapes,
+            "records": records,
+        }
 
     gen = torch.Generator().manual_seed(args.seed)
     max_model_len = args.prompt_len + args.max_new_tokens
@@ -279,8 +267,7 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
                     # Engines are built and run one at a time: each sets the target's taps and the
                     # drafter's head flag for itself, and brings its own caches (and graphs).
                     engine = build_engine(target, drafter, mode, variant, batch, max_model_len, chain)
-                    report = engine.static.report if engine.static is not None else None
-                    warmup = None if report is None else {**asdict(report), "memory_mib": report.memory_bytes / 2**20}
+                    warmup = common.static_warmup(engine)
                     for tau in [1.0] if mode == "ar" else args.taus:
                         if isinstance(engine, OracleEngine):
                             engine.set_tau(tau)
@@ -290,7 +277,7 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
                         rec["tau_expected"] = sum(lengths) / max(len(lengths), 1)
                         records.append(rec)
                     del engine
-                    free_memory(device)
+                    common.free_memory(device)
             if on_batch is not None:
                 on_batch(result(complete=False))
     return result(complete=True)
@@ -307,105 +294,41 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
         rec["speedup"] = rec["tokens_per_s"] / ref["tokens_per_s"]
 
 
-# -- reporting ---------------------------------------------------------------------------------
-
-
-def markdown(result: dict[str, Any]) -> str:
-    env, cfg, recs = result["environment"], result["config"], result["records"]
-    variants, planted = cfg["variants"], env["planted"]
-    both = "eager" in variants and "graph" in variants
-    baseline = recs[0].get("baseline", "ar") if recs else "ar"
-    per = " / ".join(variants)
-    lines = [
-        f"## End to end, oracle drafter: {env['device_name']}, {env['dtype']}, scale 1/{cfg['scale']}"
-        f" (layers 1/{cfg['layers_scale']})",
-        "",
-        f"Prompts of {cfg['prompt_len']} random tokens, {cfg['max_new_tokens']} new tokens per row, greedy, "
-        f"full blocks verified. The {cfg['mode']} drafter runs every step; its drafts are replaced by the planted "
-        f"target's own continuation, right for a scheduled number of slots (mean acceptance length tau; "
-        f"'expected' allows for each row's budget-cut last steps). Planted target: greedy = successor at "
-        f"{100 * planted['greedy_is_successor']:.1f} % of positions, smallest top-2 margin "
-        f"{planted['min_margin']:.2f}. tokens/s after the prefill (median of {cfg['repeats']}); speedup: "
-        f"tokens/s over {baseline}'s at the same batch. 'greedy ok': share of tokens equal to the target's "
-        "greedy choice (1.000 expected).",
-        "",
-        f"| batch | engine | tau target | tau expected | tau measured ({per}) | tok/s ({per}) | step ms ({per}) | "
-        f"speedup ({per}) |" + (" graph / eager |" if both else "") + " greedy ok |",
-        "|---|---|---|---|---|---|---|---|" + ("---|" if both else "") + "---|",
-    ]
-    keys = sorted({(r["batch"], r["mode"] != "ar", r["tau_target"]) for r in recs})
-    for batch, spec, tau in keys:
-        group = {
-            r["variant"]: r for r in recs if (r["batch"], r["mode"] != "ar", r["tau_target"]) == (batch, spec, tau)
-        }
-        rs = [group[v] for v in variants if v in group]
-
-        def cells(key: str, fmt: str, rs: list[dict[str, Any]] = rs) -> str:
-            return " / ".join(format(r.get(key, math.nan), fmt) for r in rs)
-
-        ratio = f" {group['graph']['tokens_per_s'] / group['eager']['tokens_per_s']:.2f}x |" if both else ""
-        lines.append(
-            f"| {batch} | {rs[0]['mode']} | {tau:g} | {rs[0]['tau_expected']:.2f} | {cells('tau', '.2f')} | "
-            f"{cells('tokens_per_s', '.1f')} | {cells('step_ms', '.2f')} | {cells('speedup', '.2f')} |{ratio} "
-            f"{min(r['successor_match'] for r in rs):.3f} |"
-        )
-    seen: set[tuple[int, str, str]] = set()
-    warm = []
-    for r in recs:
-        key = (r["batch"], r["mode"], r["variant"])
-        if r["warmup"] is not None and key not in seen:
-            seen.add(key)
-            w = r["warmup"]
-            warm.append(
-                f"batch {key[0]} {key[1]} {key[2]}: {w['graphs']} graphs + {w['eager']} eager buckets in "
-                f"{w['seconds']:.1f} s, {w['memory_mib']:.0f} MiB"
-            )
-    if warm:
-        lines += ["", "Static-shape warm-up: " + "; ".join(warm) + "."]
-    return "\n".join(lines + [""])
-
-
 def parse_floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scale", type=int, default=1, help="divide every width by K (CPU runs: 16)")
-    p.add_argument("--layers-scale", type=int, default=1, help="also divide layer counts by K")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    common.add_shape_args(p)
     p.add_argument("--mode", default="domino", choices=["domino", "dflash"], help="the drafter's mode")
     p.add_argument("--taus", type=parse_floats, default=list(DEFAULT_TAUS), help="mean acceptance lengths")
-    p.add_argument("--batch-sizes", type=parse_ints, default=[1, 4])
+    p.add_argument("--batch-sizes", type=common.parse_ints, default=[1, 4])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
         "--variants",
-        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        type=common.parse_names,
         default=["eager", "graph"],
-        help=f"engine variants, of {','.join(VARIANTS)}",
+        help=f"engine variants, of {','.join(common.VARIANTS)}",
     )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--embed-rms", type=float, default=32.0, help="per-element RMS of the planted embeddings")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
-    p.add_argument("--markdown", type=Path, default=None, help="write the Markdown report here")
+    common.add_output_args(p)
     args = p.parse_args(argv)
     if args.repeats < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
         p.error("--repeats and --prompt-len must be >= 1, --max-new-tokens >= 2")
     if not args.batch_sizes or min(args.batch_sizes) < 1 or not args.taus or min(args.taus) < 1:
         p.error("--batch-sizes need positive values and --taus values >= 1")
-    unknown = set(args.variants) - set(VARIANTS)
+    unknown = set(args.variants) - set(common.VARIANTS)
     if unknown or not args.variants:
-        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
-    args.variants = [v for v in VARIANTS if v in args.variants]
+        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(common.VARIANTS)}")
+    args.variants = [v for v in common.VARIANTS if v in args.variants]
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return run_and_report(parse_args(argv), run, markdown)
+    return run_and_report(parse_args(argv), run, e2e_markdown)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ mean throughputs, so that one lucky or unlucky repetition does not decide.
 Only loopback servers are accepted (127.0.0.0/8, ::1, localhost): this tool generates load.
 """
 
+# This module sends the requests (and is the CLI); what the records come to (summaries, comparisons,
+# repetitions) and the files they are written to are in bench/load_results.py, the tables in
+# bench/report.py. (A comment, not the docstring: the docstring is --help's text.)
+
 from __future__ import annotations
 
 import argparse
@@ -38,22 +42,31 @@ import asyncio
 import ipaddress
 import itertools
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from bench.load_results import (
+    RequestRecord,
+    compare,
+    summarize_level,
+    summarize_repetitions,
+    write_compare_reports,
+    write_repetition_reports,
+    write_reports,
+)
+from bench.report import ms
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_PROMPTS = "bench/prompts/sharegpt_heldout.jsonl"
 DEFAULT_JSON = "bench/results/load.json"
 DEFAULT_COMPARE_JSON = "bench/results/load_compare.json"
-QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 MAX_ERROR_TEXT = 300
 
 
@@ -111,20 +124,6 @@ def parse_levels(text: str) -> list[int]:
 
 
 # -- one request -----------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestRecord:
-    index: int
-    prompt: int
-    ok: bool = False
-    error: str | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    completion_tokens: int = 0
-    content_chunks: int = 0
-    spec_decode: dict[str, Any] | None = None
-    itl_s: list[float] = field(default_factory=list)  # per-token gaps (not written to the JSON)
 
 
 def _error_text(body: bytes) -> str:
@@ -207,56 +206,6 @@ async def run_request(
 # -- one concurrency level -------------------------------------------------------------------------
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between order statistics (numpy's default): monotone in q."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def distribution(values: list[float]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {name: quantile(values, q) for name, q in QUANTILES}
-    out["mean"] = sum(values) / len(values) if values else None
-    out["n"] = len(values)
-    return out
-
-
-def summarize_level(concurrency: int, records: list[RequestRecord], skipped: int, wall_s: float) -> dict[str, Any]:
-    ok = [r for r in records if r.ok]
-    tokens = sum(r.completion_tokens for r in ok)
-    drafts = sum(int((r.spec_decode or {}).get("num_drafts") or 0) for r in ok)
-    draft_tokens = sum(int((r.spec_decode or {}).get("num_draft_tokens") or 0) for r in ok)
-    accepted = sum(int((r.spec_decode or {}).get("num_accepted_tokens") or 0) for r in ok)
-    with_drafts = sum(int((r.spec_decode or {}).get("num_steps_with_drafts") or 0) for r in ok)
-    errors = [r for r in records if not r.ok]
-    return {
-        "concurrency": concurrency,
-        "requests": len(records) + skipped,
-        "completed": len(ok),
-        "errors": len(errors),
-        "skipped": skipped,
-        "error_messages": sorted({r.error or "" for r in errors})[:10],
-        "wall_s": wall_s,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
-        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl_s": distribution([x for r in ok for x in r.itl_s]),
-        "e2e_s": distribution([r.e2e_s for r in ok if r.e2e_s is not None]),
-        "mean_acceptance_length": (accepted + drafts) / drafts if drafts else None,
-        "draft_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-        # Share of verify steps that verified drafts: τ near 1 with a low share means the policy
-        # kept speculation off, not that drafts failed.
-        "draft_step_share": with_drafts / drafts if drafts else None,
-        "spec_decode": {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted},
-        "per_request": [{k: v for k, v in asdict(r).items() if k != "itl_s"} for r in records],
-    }
-
-
 async def run_level(
     client: httpx.AsyncClient,
     prompts: list[PromptItem],
@@ -330,7 +279,7 @@ async def run_load(args: argparse.Namespace, url: str, prompts: list[PromptItem]
             print(
                 f"concurrency {c:>3}: {level['completed']}/{level['requests']} ok, "
                 f"{level['output_tokens_per_s']:.1f} tok/s, {level['requests_per_s']:.2f} req/s, "
-                f"TTFT p50 {_ms(level['ttft_s']['p50'])} ms, ITL p50 {_ms(level['itl_s']['p50'])} ms, "
+                f"TTFT p50 {ms(level['ttft_s']['p50'])} ms, ITL p50 {ms(level['itl_s']['p50'])} ms, "
                 f"errors {level['errors']}",
                 flush=True,
             )
@@ -353,223 +302,6 @@ async def run_load(args: argparse.Namespace, url: str, prompts: list[PromptItem]
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
     }
-
-
-# -- reports ---------------------------------------------------------------------------------------
-
-
-def _ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1000:.1f}"
-
-
-def _num(x: float | None, fmt: str = ".2f") -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def _qs(dist: dict[str, Any]) -> str:
-    return " / ".join(_ms(dist[name]) for name, _ in QUANTILES)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _levels(result: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
-    return sorted(((int(k), v) for k, v in result["levels"].items()), key=lambda kv: kv[0])
-
-
-def write_reports(result: dict[str, Any], json_path: Path) -> None:
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    stem = json_path.with_suffix("")
-    levels = _levels(result)
-    lines = [
-        f"Load test `{result['label'] or '-'}`: model `{result['model']}` at {result['url']}, "
-        f"max_tokens {result['config']['max_tokens']}, temperature {result['config']['temperature']}. "
-        "Latencies in ms, p50 / p90 / p99.",
-        "",
-        "| concurrency | ok / requests | errors | output tok/s | req/s | TTFT | ITL (per token) | e2e | τ mean "
-        "| steps verifying drafts |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c, lv in levels:
-        share = lv.get("draft_step_share")
-        lines.append(
-            f"| {c} | {lv['completed']} / {lv['requests']} | {lv['errors'] + lv['skipped']} | "
-            f"{lv['output_tokens_per_s']:.1f} | {lv['requests_per_s']:.2f} | {_qs(lv['ttft_s'])} | "
-            f"{_qs(lv['itl_s'])} | {_qs(lv['e2e_s'])} | {_num(lv['mean_acceptance_length'])} | "
-            f"{'–' if share is None else f'{share:.0%}'} |"
-        )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-    plt = _pyplot()
-    xs = [c for c, _ in levels]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [lv["output_tokens_per_s"] for _, lv in levels], marker="o", label=result["label"] or None)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("output tokens/s")
-    ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(f"{stem}_throughput.png", dpi=100)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for ax, key, title in zip(axes, ("ttft_s", "itl_s", "e2e_s"), ("TTFT", "ITL (per token)", "end-to-end")):
-        for name, _ in QUANTILES:
-            ys = [lv[key][name] * 1000 if lv[key][name] is not None else math.nan for _, lv in levels]
-            ax.plot(xs, ys, marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylabel("ms")
-        ax.set_title(title)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(f"{stem}_latency.png", dpi=100)
-    plt.close(fig)
-
-
-def compare(path_a: Path, path_b: Path) -> dict[str, Any]:
-    a, b = json.loads(path_a.read_text()), json.loads(path_b.read_text())
-    name_a, name_b = a.get("label") or path_a.stem, b.get("label") or path_b.stem
-    if name_a == name_b:  # keep the columns apart when both runs carry the same label
-        name_a, name_b = f"{name_a} (A)", f"{name_b} (B)"
-    common = sorted(set(a["levels"]) & set(b["levels"]), key=int)
-    levels = {}
-    for c in common:
-        la, lb = a["levels"][c], b["levels"][c]
-        ta, tb = la["output_tokens_per_s"], lb["output_tokens_per_s"]
-        levels[c] = {
-            "concurrency": int(c),
-            "a_output_tokens_per_s": ta,
-            "b_output_tokens_per_s": tb,
-            "output_tokens_per_s_ratio": ta / tb if tb > 0 else None,
-            "a_requests_per_s": la["requests_per_s"],
-            "b_requests_per_s": lb["requests_per_s"],
-            **{f"{side}_{key}": lv[key] for side, lv in (("a", la), ("b", lb)) for key in ("ttft_s", "itl_s", "e2e_s")},
-            "a_mean_acceptance_length": la["mean_acceptance_length"],
-            "b_mean_acceptance_length": lb["mean_acceptance_length"],
-            "a_errors": la["errors"] + la["skipped"],
-            "b_errors": lb["errors"] + lb["skipped"],
-        }
-    return {
-        "a": {"label": name_a, "path": str(path_a), "model": a.get("model"), "url": a.get("url")},
-        "b": {"label": name_b, "path": str(path_b), "model": b.get("model"), "url": b.get("url")},
-        "levels": levels,
-    }
-
-
-def write_compare_reports(result: dict[str, Any], json_path: Path) -> None:
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    stem = json_path.with_suffix("")
-    na, nb = result["a"]["label"], result["b"]["label"]
-    levels = sorted(result["levels"].values(), key=lambda lv: lv["concurrency"])
-    lines = [
-        f"A = `{na}` ({result['a']['path']}), B = `{nb}` ({result['b']['path']}). "
-        "Latencies in ms (p50); ITL per token.",
-        "",
-        f"| concurrency | {na} tok/s | {nb} tok/s | A / B | TTFT A / B | ITL A / B | e2e A / B | "
-        "τ A / B | errors A / B |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for lv in levels:
-        pairs = " | ".join(
-            f"{_ms(lv[f'a_{k}']['p50'])} / {_ms(lv[f'b_{k}']['p50'])}" for k in ("ttft_s", "itl_s", "e2e_s")
-        )
-        ratio = lv["output_tokens_per_s_ratio"]
-        lines.append(
-            f"| {lv['concurrency']} | {lv['a_output_tokens_per_s']:.1f} | {lv['b_output_tokens_per_s']:.1f} | "
-            f"{_num(ratio)}{'×' if ratio is not None else ''} | {pairs} | "
-            f"{_num(lv['a_mean_acceptance_length'])} / {_num(lv['b_mean_acceptance_length'])} | "
-            f"{lv['a_errors']} / {lv['b_errors']} |"
-        )
-    if not levels:
-        lines.append("| (no concurrency level in common) | | | | | | | | |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-    plt = _pyplot()
-    xs = [lv["concurrency"] for lv in levels]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(xs, [lv["a_output_tokens_per_s"] for lv in levels], marker="o", label=na)
-    ax1.plot(xs, [lv["b_output_tokens_per_s"] for lv in levels], marker="s", label=nb)
-    ax1.set_xlabel("concurrent clients")
-    ax1.set_ylabel("output tokens/s")
-    ax1.set_ylim(bottom=0)
-    ax1.legend()
-    ratios = [lv["output_tokens_per_s_ratio"] or 0.0 for lv in levels]
-    ax2.bar([str(x) for x in xs], ratios)
-    ax2.axhline(1.0, color="grey", linewidth=0.8)
-    ax2.set_xlabel("concurrent clients")
-    ax2.set_ylabel(f"output tokens/s, {na} / {nb}")
-    if xs:
-        ax1.set_xscale("log", base=2)
-        ax1.set_xticks(xs, [str(x) for x in xs])
-    fig.tight_layout()
-    fig.savefig(f"{stem}_throughput.png", dpi=100)
-    plt.close(fig)
-
-
-def summarize_repetitions(paths: list[Path]) -> dict[str, Any]:
-    """Per concurrency level over several `--compare` results of the same A and B: each
-    repetition's A / B ratio and τ of A, the median ratio and range, and mean(A) / mean(B)."""
-    runs = [json.loads(p.read_text()) for p in paths]
-    common = sorted(set.intersection(*(set(r["levels"]) for r in runs)), key=int)
-    levels = {}
-    for c in common:
-        per = [r["levels"][c] for r in runs]
-        ratios = [lv["output_tokens_per_s_ratio"] for lv in per]
-        known = sorted(x for x in ratios if x is not None)
-        mean_a = sum(lv["a_output_tokens_per_s"] for lv in per) / len(per)
-        mean_b = sum(lv["b_output_tokens_per_s"] for lv in per) / len(per)
-        levels[c] = {
-            "concurrency": int(c),
-            "ratios": ratios,
-            "ratio_median": quantile(known, 0.5) if known else None,
-            "ratio_min": known[0] if known else None,
-            "ratio_max": known[-1] if known else None,
-            "mean_a_output_tokens_per_s": mean_a,
-            "mean_b_output_tokens_per_s": mean_b,
-            "ratio_of_means": mean_a / mean_b if mean_b > 0 else None,
-            "a_mean_acceptance_length": [lv["a_mean_acceptance_length"] for lv in per],
-            "errors": sum(lv["a_errors"] + lv["b_errors"] for lv in per),
-        }
-    return {
-        "a": runs[0]["a"]["label"],
-        "b": runs[0]["b"]["label"],
-        "repetitions": [str(p) for p in paths],
-        "levels": levels,
-    }
-
-
-def write_repetition_reports(result: dict[str, Any], json_path: Path) -> None:
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    na, nb, n = result["a"], result["b"], len(result["repetitions"])
-    lines = [
-        f"`{na}` / `{nb}` output tokens/s over {n} alternating repetitions ({', '.join(result['repetitions'])}).",
-        "",
-        f"| concurrency | per repetition | median | range | mean {na} / mean {nb} tok/s | ratio of means | "
-        f"τ {na} per repetition | errors |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for lv in sorted(result["levels"].values(), key=lambda lv: lv["concurrency"]):
-        per = ", ".join(f"{_num(x)}×" for x in lv["ratios"])
-        taus = ", ".join(_num(x) for x in lv["a_mean_acceptance_length"])
-        lines.append(
-            f"| {lv['concurrency']} | {per} | {_num(lv['ratio_median'])}× | "
-            f"{_num(lv['ratio_min'])}–{_num(lv['ratio_max'])}× | "
-            f"{lv['mean_a_output_tokens_per_s']:.1f} / {lv['mean_b_output_tokens_per_s']:.1f} | "
-            f"{_num(lv['ratio_of_means'])}× | {taus} | {lv['errors']} |"
-        )
-    json_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from bench.load import quantile
+from bench.load_results import quantile
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("greedy", "sampling", "stream", "cancel")

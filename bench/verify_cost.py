@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench import save_result
+from bench.report import save_result
 from model.loading import DEFAULT_TARGET, DTYPES, cpu_has_native_bf16, load_target
 from model.target import TargetModel
 

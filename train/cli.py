@@ -4,52 +4,86 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from model.loading import load_target, resolve_device, resolve_dtype
+from model.loading import eos_token_ids, load_target, resolve_device, resolve_dtype
 from model.target import TargetModel
+from train.config import DataConfig, DrafterSpec, FitConfig, GenConfig
 from train.init import DEFAULT_BLOCK_SIZE
+
+C = TypeVar("C")
+
+
+def gen_cmd(args: argparse.Namespace) -> None:
+    from train.gen import gen
+
+    gen(gen_config(args))
 
 
 def features_cmd(args: argparse.Namespace) -> None:
-    from train.features import store_features
-    from train.fit import features_root
+    from train.features import features_root, store_features
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, _ = load_target(args.target, resolve_dtype(args.dtype, device), device)
     root = features_root(Path(args.data), args.features_dir, several=False)
-    shards = [int(x) for x in args.shards.split(",")] if args.shards else None
-    taps = [int(t) for t in args.taps.split(",")]
+    taps, shards = _ints(args.taps), _ints(args.shards) if args.shards else None
     store_features(TargetModel(model), Path(args.data), root, taps, args.topk, shards, target_name=args.target)
-
-
-def gen_cmd(args: argparse.Namespace) -> None:
-    from train.gen import gen
-
-    gen(args)
 
 
 def fit_cmd(args: argparse.Namespace) -> None:
     from train.fit import fit
 
-    fit(args)
+    fit(fit_config(args))
 
 
 def eval_cmd(args: argparse.Namespace) -> None:
-    from train.evaluate import eval_cmd as run
+    from model.checkpoint import load_drafter
+    from model.prompts import load_prompt_file
+    from train.evaluate import evaluate, heldout_slice
 
-    run(args)
+    device = resolve_device(args.device)
+    model, tokenizer = load_target(args.target, torch.float32, device)
+    target = TargetModel(model)
+    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config).to(device)
+    # Slice first, so a slice holds the same prompts whatever the length filter.
+    prompts = heldout_slice(load_prompt_file(Path(args.prompts), tokenizer), args.slice)
+    prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
+    prompts = prompts[: args.limit] if args.limit else prompts
+    modes = [m for m in args.modes.split(",") if m != "domino" or drafter.config.has_head]
+    result = evaluate(target, drafter, prompts, modes, args.max_new_tokens, eos_token_ids(model, tokenizer))
+    _print_json({"slice": args.slice, "max_new_tokens": args.max_new_tokens, **result}, args.json)
 
 
 def walk_cmd(args: argparse.Namespace) -> None:
-    from train.evaluate import walk_cmd as run
+    """A drafter's offline τ on the validation samples fit holds out (the last `--val-samples` of
+    the first shard, stored features needed), as the engine's walk and, with `--stride`, at fixed
+    anchors."""
+    from model.checkpoint import load_drafter
+    from train.evaluate import offline_walk
+    from train.samples import TrainingData
 
-    run(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _ = load_target(args.target, torch.float32, "cpu")
+    target = TargetModel(model)
+    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config)
+    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+    # stored_only: the walk reads the features fit stored, and never computes any.
+    data_cfg = DataConfig(_dirs(args.data), args.features_dir, stored_only=True, val_samples=args.val_samples)
+    data = TrainingData(data_cfg, list(drafter.config.target_layer_ids), target, target_name=args.target)
+    seqs = [(ids, f, start) for ids, f, start, _, _ in data.load(data.val, soft=False)]
+    result: dict[str, object] = {"walk": offline_walk(drafter, seqs, args.val_tokens)}
+    for stride in args.stride:
+        result[f"every_{stride}"] = offline_walk(drafter, seqs, args.val_tokens, anchor_stride=stride)
+    _print_json(result, args.json)
 
 
 def average_cmd(args: argparse.Namespace) -> None:
@@ -61,6 +95,61 @@ def average_cmd(args: argparse.Namespace) -> None:
     drafters = [load_drafter(p, dtype=torch.float32) for p in paths]
     save_drafter(average_drafters(drafters, weights), args.out)
     logging.getLogger("domino.train").info("averaged %d drafters into %s", len(paths), args.out)
+
+
+# -- flags -> configs ----------------------------------------------------------------------------
+
+
+def gen_config(args: argparse.Namespace) -> GenConfig:
+    return _pick(GenConfig, args, out=Path(args.out), prompts=Path(args.prompts) if args.prompts else None)
+
+
+def fit_config(args: argparse.Namespace) -> FitConfig:
+    """The flags of `fit` as a FitConfig (the flags are named after its fields)."""
+    return _pick(
+        FitConfig,
+        args,
+        out=Path(args.out),
+        run_dir=Path(args.run_dir),
+        data=_pick(DataConfig, args, dirs=_dirs(args.data)),
+        drafter=_pick(DrafterSpec, args, taps=_ints(args.taps) if args.taps else None, head=not args.no_head),
+    )
+
+
+def _pick(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """`cls` from the flags of its fields' names, and `given` for the rest."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name not in given}, **given)  # type: ignore[arg-type]
+
+
+def _dirs(text: str) -> list[Path]:
+    """One or more comma-separated directories."""
+    return [Path(d) for d in text.split(",") if d]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _print_json(result: dict[str, Any], path: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
+
+
+# -- parsers -------------------------------------------------------------------------------------
+
+
+def _data_args(p: argparse.ArgumentParser, data_help: str) -> None:
+    """--data and --features-dir: fit's samples and their stored features (walk reads the same ones)."""
+    p.add_argument("--data", required=True, help=data_help)
+    p.add_argument("--features-dir", default=None, help="stored features (default: ~/.cache/domino-serve/features/…)")
+
+
+def _validation_args(p: argparse.ArgumentParser) -> None:
+    """The validation slice fit holds out and walks: walk replays it, so both take the same defaults."""
+    p.add_argument("--val-samples", type=int, default=64, help="validation sequences held out of the first shard")
+    p.add_argument("--val-tokens", type=int, default=128, help="answer tokens walked per validation sequence")
 
 
 def _average_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,10 +164,8 @@ def _walk_parser(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("walk", help="offline τ on fit's validation sequences (stored features), walk and fixed anchors")
     w.add_argument("--target", default="default")
     w.add_argument("--drafter", required=True)
-    w.add_argument("--data", required=True, help="directory of gen shards (shard 0's features must be stored)")
-    w.add_argument("--features-dir", default=None)
-    w.add_argument("--val-samples", type=int, default=64)
-    w.add_argument("--val-tokens", type=int, default=128)
+    _data_args(w, "directory of gen shards (shard 0's features must be stored)")
+    _validation_args(w)
     w.add_argument("--stride", type=int, action="append", default=[], help="also at anchors every N tokens")
     w.add_argument("--threads", type=int, default=None)
     w.add_argument("--json", default=None)
@@ -129,10 +216,7 @@ def _features_parser(sub: argparse._SubParsersAction) -> None:
 def _fit_parser(sub: argparse._SubParsersAction) -> None:
     f = sub.add_parser("fit", help="train a drafter on regenerated answers (resumable)")
     f.add_argument("--target", default="default")
-    f.add_argument(
-        "--data", required=True, help="directory of gen shards, or several comma-separated (validation: the first's)"
-    )
-    f.add_argument("--features-dir", default=None, help="stored features (default: ~/.cache/domino-serve/features/…)")
+    _data_args(f, "directory of gen shards, or several comma-separated (validation: the first's)")
     f.add_argument("--stored-only", action="store_true", help="train only on shards whose features are stored")
     f.add_argument("--online-features", action="store_true", help="a target forward per batch, nothing stored")
     f.add_argument("--topk", type=int, default=16, help="top-k log-probs stored with the features")
@@ -191,8 +275,7 @@ def _fit_parser(sub: argparse._SubParsersAction) -> None:
     )
     f.add_argument("--gamma", type=float, default=None, help="per-slot loss decay exp(-j/γ); default 0.45·B, 0: off")
     f.add_argument("--distill", type=float, default=0.0, help="weight of the target top-k soft labels in [0, 1]")
-    f.add_argument("--val-samples", type=int, default=64, help="validation sequences held out of the first shard")
-    f.add_argument("--val-tokens", type=int, default=128, help="answer tokens walked per validation sequence")
+    _validation_args(f)
     f.add_argument("--eval-every", type=int, default=1000)
     f.add_argument("--save-every", type=int, default=200)
     f.add_argument("--stop-after", type=int, default=None, help="stop (resumably) after this many steps in this run")

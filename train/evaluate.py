@@ -8,17 +8,10 @@ Held-out prompts (bench/prompts/sharegpt_heldout.jsonl) are split once: the firs
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
-from model.checkpoint import load_drafter
 from model.drafter import Drafter
 from model.engine import Engine, SamplingParams
-from model.loading import eos_token_ids, load_target, resolve_device
-from model.prompts import load_prompt_file
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 
@@ -157,53 +150,3 @@ def _walk_batch(
         lengths.extend((accepted[active] + 1).tolist())
         step = accepted + 1 if anchor_stride is None else torch.full_like(accepted, anchor_stride)
         anchor = torch.where(active, anchor + step, anchor)
-
-
-def eval_cmd(args: argparse.Namespace) -> None:
-    device = resolve_device(args.device)
-    model, tokenizer = load_target(args.target, torch.float32, device)
-    target = TargetModel(model)
-    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config).to(device)
-    # Slice first, so a slice holds the same prompts whatever the length filter.
-    prompts = heldout_slice(load_prompt_file(Path(args.prompts), tokenizer), args.slice)
-    prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
-    prompts = prompts[: args.limit] if args.limit else prompts
-    modes = [m for m in args.modes.split(",") if m != "domino" or drafter.config.has_head]
-    result = evaluate(target, drafter, prompts, modes, args.max_new_tokens, eos_token_ids(model, tokenizer))
-    result_json = {"slice": args.slice, "max_new_tokens": args.max_new_tokens, **result}
-    print(json.dumps(result_json, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result_json, indent=2) + "\n")
-
-
-def walk_cmd(args: argparse.Namespace) -> None:
-    """`domino-train walk`: a drafter's offline τ on the validation sequences fit holds out (the
-    last `--val-samples` of the first shard, stored features needed), as the engine's walk and,
-    with `--stride`, at fixed anchors."""
-    from train.fit import TrainingData
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, _ = load_target(args.target, torch.float32, "cpu")
-    target = TargetModel(model)
-    drafter = load_drafter(args.drafter, dtype=torch.float32, target_config=model.config)
-    drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
-    data_args = argparse.Namespace(
-        data=args.data,
-        features_dir=args.features_dir,
-        online_features=False,
-        stored_only=True,
-        topk=16,
-        target=args.target,
-        max_samples=None,
-        val_samples=args.val_samples,
-    )
-    data = TrainingData(data_args, list(drafter.config.target_layer_ids), target)
-    seqs = [(ids, f, start) for ids, f, start, _, _ in data.load(data.val, soft=False)]
-    result: dict[str, object] = {"walk": offline_walk(drafter, seqs, args.val_tokens)}
-    for stride in args.stride:
-        result[f"every_{stride}"] = offline_walk(drafter, seqs, args.val_tokens, anchor_stride=stride)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")

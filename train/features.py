@@ -28,6 +28,8 @@ import torch
 from tqdm import tqdm
 
 from model.target import TargetModel
+from model.wheels import default_cache_dir
+from train.shards import read_shard, shard_path, shard_paths
 
 log = logging.getLogger("domino.train.features")
 
@@ -37,8 +39,15 @@ class DiskSpaceError(RuntimeError):
 
 
 def default_features_root() -> Path:
-    base = os.environ.get("DOMINO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "domino-serve")
-    return Path(base) / "features"
+    return default_cache_dir() / "features"
+
+
+def features_root(data_dir: Path, features_dir: str | None, several: bool) -> Path:
+    """Where a gen directory's stored features live: `--features-dir` itself for a single data
+    directory, else one folder per data directory name under it (default: the user cache)."""
+    if features_dir and not several:
+        return Path(features_dir)
+    return (Path(features_dir) if features_dir else default_features_root()) / data_dir.name
 
 
 def shard_features_dir(root: Path, shard: Path, taps: list[int]) -> Path:
@@ -182,8 +191,6 @@ def store_features(
 ) -> list[Path]:
     """Store the features of every gen shard in `data_dir` (or the listed shard numbers) under
     `root`; shards already stored are skipped, so an interrupted run resumes. Checks free disk first."""
-    from train.shards import read_shard, shard_path, shard_paths
-
     if shards is None:
         paths = shard_paths(data_dir)
     else:

@@ -2,52 +2,50 @@
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 
 from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from model.target import TargetModel
+from train.config import DrafterSpec
 
 DEFAULT_BLOCK_SIZE = 8  # a new drafter's block when --block-size is not given
 DEFAULT_RANK = 64  # a new drafter's correction rank when --rank is not given
 DEFAULT_LAYERS = 1  # a new drafter's depth when --layers is not given
+DEFAULT_DRAFT_VOCAB = 8192  # a new drafter's draft vocabulary when --draft-vocab is not given
 
 
-def make_drafter_config(args: argparse.Namespace, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
+def make_drafter_config(spec: DrafterSpec, target: TargetModel, draft_vocab_size: int | None) -> DrafterConfig:
+    """A new drafter's config for `target`: its widths, the spec's shape, the defaults above."""
     tcfg = target.config
-    taps = (
-        [int(t) for t in args.taps.split(",")]
-        if args.taps
-        else default_target_layer_ids(target.num_layers, args.layers or DEFAULT_LAYERS)
-    )
+    layers = spec.layers or DEFAULT_LAYERS
+    taps = spec.taps or default_target_layer_ids(target.num_layers, layers)
     rope_theta = getattr(tcfg, "rope_theta", None) or (getattr(tcfg, "rope_parameters", None) or {}).get(
         "rope_theta", 10000.0
     )
-    head = not args.no_head
     return DrafterConfig(
         hidden_size=target.hidden_size,
-        num_hidden_layers=args.layers or DEFAULT_LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=int(tcfg.num_attention_heads),
         num_key_value_heads=target.kv_heads,
         head_dim=target.head_dim,
         intermediate_size=int(tcfg.intermediate_size),
         vocab_size=target.vocab_size,
-        block_size=args.block_size or DEFAULT_BLOCK_SIZE,
-        target_layer_ids=taps,
+        block_size=spec.block_size or DEFAULT_BLOCK_SIZE,
+        target_layer_ids=list(taps),
         num_target_layers=target.num_layers,
-        mask_token_id=args.mask_token_id,
+        mask_token_id=spec.mask_token_id,
         rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 8192)),
-        projector_type="domino" if head else None,
-        gru_hidden_dim=args.gru_size,
-        emb_dim=args.rank or DEFAULT_RANK,
-        shift_label=args.shift_label,
+        projector_type="domino" if spec.head else None,
+        gru_hidden_dim=spec.gru_size,
+        emb_dim=spec.rank or DEFAULT_RANK,
+        shift_label=spec.shift_label,
         draft_vocab_size=draft_vocab_size,
-        use_mask_embedding=args.mask_token_id is None,
-        qk_norm=args.qk_norm,
+        use_mask_embedding=spec.mask_token_id is None,
+        qk_norm=spec.qk_norm,
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from model.data import load_humaneval_prompts, load_sharegpt_prompts, split_sharegpt
+from train.data import load_humaneval_prompts, load_sharegpt_prompts, split_sharegpt
 
 HERE = Path(__file__).resolve().parent
 HUMANEVAL_FILE = "humaneval.jsonl"

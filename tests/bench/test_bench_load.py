@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import check_loopback_url, main, quantile
+from bench.load import check_loopback_url, main
+from bench.load_results import quantile
 from tests.fixtures.servers import ServerProcess
 
 MAX_TOKENS = 6

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_costs import MODES, VARIANTS, build_drafter, main, markdown, parse_args, run, scaled_shapes
+from bench.common import VARIANTS, build_drafter, scaled_shapes
+from bench.gpu_costs import MODES, main, parse_args, run
+from bench.report import costs_markdown
 
 
 def test_full_size_shapes_are_the_published_ones() -> None:
@@ -106,7 +108,7 @@ def test_variants_eager_only_skips_the_static_engines() -> None:
     assert seen == [(False, [1]), (False, [1, 2])] and result["complete"]
     assert result["warmup"] == [] and set(result["rows"][0]["graph_vs_eager"]["step_domino"]) == {"eager"}
     assert "speedup_graph" not in result["rows"][0]["projection"]["domino"]
-    assert "### Graph vs eager" not in markdown(result)
+    assert "### Graph vs eager" not in costs_markdown(result)
 
 
 def test_drafter_parameters_exclude_the_borrowed_target_embedding_and_head() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu_costs import build_target, scaled_shapes
+from bench.common import build_target, scaled_shapes
 from bench.gpu_e2e import (
     accepted_at,
     check_planted,

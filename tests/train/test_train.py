@@ -18,7 +18,8 @@ from model.loading import cpu_has_native_bf16
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
-from train.cli import main
+from train.cli import build_parser, fit_config, gen_config, main
+from train.config import DataConfig, DrafterSpec, FitConfig, GenConfig
 from train.evaluate import evaluate, heldout_slice, offline_walk, slot_acceptance
 from train.features import ShardFeatures, compute_features, shard_features_dir, store_features
 from train.fit import amp_enabled
@@ -51,6 +52,19 @@ def test_schedules() -> None:
     assert training_progress(10, 100, 30.0, 60.0) == 0.5
     assert training_progress(90, 100, 30.0, 60.0) == 0.9
     assert training_progress(10, 100, 120.0, 60.0) == 1.0
+
+
+def test_cli_flags_build_the_typed_configs() -> None:
+    """The flags' defaults are the configs' own, and each flag lands in its field."""
+    parser = build_parser()
+    required = ["--out", "o", "--run-dir", "r"]
+    expected = FitConfig(out=Path("o"), run_dir=Path("r"), data=DataConfig([Path("a"), Path("b")]))
+    assert fit_config(parser.parse_args(["fit", "--data", "a,b", *required])) == expected
+    flags = ["--taps", "1,3", "--no-head", "--lr", "1e-3", "--stored-only", "--init-from", "d", "--gamma", "0"]
+    cfg = fit_config(parser.parse_args(["fit", "--data", "a", *required, *flags]))
+    assert cfg.drafter == DrafterSpec(init_from="d", taps=[1, 3], head=False)
+    assert (cfg.lr, cfg.gamma, cfg.data.stored_only, cfg.data.dirs) == (1e-3, 0.0, True, [Path("a")])
+    assert gen_config(parser.parse_args(["gen", "--out", "d"])) == GenConfig(out=Path("d"))
 
 
 def test_training_logits_equal_inference_logits() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model import data
+from train import data
 
 REPO = Path(__file__).resolve().parents[2]
 

