@@ -26,11 +26,28 @@ from app.routes import chat, completions, models, ops
 from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
+from model.config import EngineConfig
 
 if TYPE_CHECKING:
     from model.engine import Engine
 
 log = logging.getLogger(__name__)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's configuration from the server's settings (the EOS ids come from the model)."""
+    return EngineConfig(
+        mode=settings.mode,
+        max_batch_size=settings.max_batch_size,
+        max_model_len=settings.max_model_len,
+        draft_policy=settings.draft_policy,
+        max_drafts=settings.max_drafts,
+        ngram=settings.ngram,
+        static_shapes=None if settings.static_shapes == "auto" else settings.static_shapes == "on",
+        cuda_graphs=settings.cuda_graphs,
+        prefix_cache_tokens=settings.prefix_cache_tokens,
+        prefix_block_size=settings.prefix_block_size,
+    )
 
 
 def load_engine(settings: Settings) -> tuple[Engine, Any]:
@@ -47,25 +64,12 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         device,
     )
     started = time.monotonic()
-    kwargs: dict[str, Any] = {
-        "draft_policy": settings.draft_policy,
-        "ngram": settings.ngram,
-        "static_shapes": None if settings.static_shapes == "auto" else settings.static_shapes == "on",
-        "cuda_graphs": settings.cuda_graphs,
-        "prefix_cache_tokens": settings.prefix_cache_tokens,
-        "prefix_block_size": settings.prefix_block_size,
-    }
-    if settings.max_drafts is not None:
-        kwargs["max_drafts"] = settings.max_drafts
     engine, tokenizer = build_engine(
         target=settings.target,
         drafter=settings.drafter,
-        mode=settings.mode,
         dtype=settings.dtype,
         device=device,
-        max_batch_size=settings.max_batch_size,
-        max_model_len=settings.max_model_len,
-        **kwargs,
+        config=engine_config(settings),
     )
     params = sum(t.numel() for t in engine.target.hf_model.parameters())
     log.info(

@@ -16,11 +16,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 
+from model.config import EngineConfig
 from model.costs import NgramAcceptance, prior_curve_for
 from model.drafter import DraftContextCache, Drafter, DraftResult
 from model.logits_processors import RowProcessor, new_row_processor, process_logits
@@ -46,7 +48,6 @@ from model.sampling import (
 from model.static import StaticSteps, batch_buckets, verify_widths
 from model.target import TargetModel, TargetOutput
 
-MODES = ("domino", "dflash", "ngram", "ar")
 PROMPT_LOGPROB_CHUNK = 256  # prompt positions per LM-head call when scoring a prompt
 
 
@@ -93,15 +94,11 @@ def seed_generator(seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed % 2**64)))
 
 
-def _check_engine_args(mode: str, drafter: Drafter | None, draft_policy: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def _check_drafter(mode: str, drafter: Drafter | None) -> None:
     if mode not in ("ar", "ngram") and drafter is None:
         raise ValueError(f"mode {mode!r} needs a drafter")
     if mode == "domino" and drafter is not None and not drafter.config.has_head:
         raise ValueError("mode 'domino' needs a Domino drafter (projector_type 'domino'); use 'dflash'")
-    if draft_policy not in ("adaptive", "fixed"):
-        raise ValueError(f"draft_policy must be 'adaptive' or 'fixed', got {draft_policy!r}")
 
 
 def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
@@ -129,63 +126,57 @@ class Engine:
         self,
         target: TargetModel,
         drafter: Drafter | None = None,
-        mode: str = "domino",
-        max_batch_size: int = 8,
-        max_model_len: int = 2048,
-        eos_token_ids: tuple[int, ...] | list[int] = (),
-        draft_threshold: float = 0.0,
-        max_drafts: int | None = None,
-        draft_policy: str = "adaptive",
-        capture_taps: list[int] | None = None,
-        ngram: bool = True,
-        ngram_max_n: int = 4,
-        ngram_min_n: int = 1,
-        ngram_max_drafts: int = 8,
-        static_shapes: bool | None = None,
-        cuda_graphs: bool = True,
-        prefill_split_tokens: int | None = None,
-        prefix_cache_tokens: int = 0,
-        prefix_block_size: int = 16,
+        config: EngineConfig | None = None,
+        **overrides: Any,
     ) -> None:
-        _check_engine_args(mode, drafter, draft_policy)
+        """`overrides` replace fields of `config` (EngineConfig's names: `mode="ar"`, ...)."""
+        cfg = replace(config or EngineConfig(), **overrides)
+        if cfg.capture_taps is not None and not isinstance(cfg.capture_taps, tuple):
+            cfg = replace(cfg, capture_taps=tuple(cfg.capture_taps))
+        cfg.check()
+        self.config = cfg
+        mode, max_drafts, capture_taps = cfg.mode, cfg.max_drafts, list(cfg.capture_taps or [])
+        _check_drafter(mode, drafter)
         self.target = target
         self.mode = mode
         self.drafter = drafter if mode not in ("ar", "ngram") else None
         # Prompt-lookup copies: the only proposals in `ngram` mode, an extra choice in domino/dflash.
-        self.ngram = mode == "ngram" or (ngram and mode != "ar")
-        self.ngram_max_n, self.ngram_min_n = ngram_max_n, ngram_min_n
-        self.ngram_max_drafts = ngram_max_drafts if max_drafts is None else min(ngram_max_drafts, max_drafts)
+        self.ngram = mode == "ngram" or (cfg.ngram and mode != "ar")
+        self.ngram_max_n, self.ngram_min_n = cfg.ngram_max_n, cfg.ngram_min_n
+        self.ngram_max_drafts = cfg.ngram_max_drafts if max_drafts is None else min(cfg.ngram_max_drafts, max_drafts)
         if self.ngram and self.ngram_max_drafts < 1:
             raise ValueError(f"ngram_max_drafts must be >= 1, got {self.ngram_max_drafts}")
-        self.max_batch_size = max_batch_size
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.max_batch_size = cfg.max_batch_size
+        self.max_model_len = cfg.max_model_len
+        self.eos_token_ids = frozenset(int(t) for t in cfg.eos_token_ids)
         self.draft_forwards = 0  # steps that ran the drafter
         self.device = target.device
         # What one more prefill forward costs, in padded prompt tokens: on a CPU a forward's fixed
         # cost is ~30 prompt tokens' worth (bench.verify_cost: 51 ms for 1 token, +1.9 ms per
         # token from 16 on); on a GPU launches dominate, so rows are split only for long padding.
         self.prefill_split_tokens = (
-            prefill_split_tokens if prefill_split_tokens is not None else (512 if self.device.type == "cuda" else 32)
+            cfg.prefill_split_tokens
+            if cfg.prefill_split_tokens is not None
+            else (512 if self.device.type == "cuda" else 32)
         )
         block = self._attach_drafter(max_drafts, capture_taps)
         # adaptive: drafts per step from the drafter's confidence and measured step costs
         # (model/policy.py); fixed: every draft up to the first below draft_threshold.
         self.policy = DraftPolicy(
-            adaptive=draft_policy == "adaptive",
+            adaptive=cfg.draft_policy == "adaptive",
             num_drafts=self.num_drafts,
-            draft_threshold=draft_threshold,
-            ngram_max_n=ngram_max_n,
+            draft_threshold=cfg.draft_threshold,
+            ngram_max_n=cfg.ngram_max_n,
             ngram_max_drafts=self.ngram_max_drafts,
             prior=prior_curve_for(target.device, target.dtype),
         )
         self.capture = bool(capture_taps)
         self.want_features = self.drafter is not None or self.capture
         # Room for a full block of scratch keys behind the longest allowed context.
-        capacity = max_model_len + max(block, self.max_drafts_per_step) + 1
+        capacity = cfg.max_model_len + max(block, self.max_drafts_per_step) + 1
         # Static shapes (default on CUDA): padded batches use slots up to the largest batch bucket.
-        self.static_shapes = self.device.type == "cuda" if static_shapes is None else static_shapes
-        slots = batch_buckets(max_batch_size)[-1] if self.static_shapes else max_batch_size
+        self.static_shapes = self.device.type == "cuda" if cfg.static_shapes is None else cfg.static_shapes
+        slots = batch_buckets(cfg.max_batch_size)[-1] if self.static_shapes else cfg.max_batch_size
         self.cache = target.new_cache(slots, capacity)
         self.draft_cache = (
             DraftContextCache(self.drafter.config, slots, capacity, target.dtype, self.device)
@@ -197,15 +188,15 @@ class Engine:
         self.prefix_cache = (
             PrefixCache(
                 [self.cache] + ([self.draft_cache] if self.draft_cache is not None else []),
-                prefix_block_size,
-                prefix_cache_tokens,
+                cfg.prefix_block_size,
+                cfg.prefix_cache_tokens,
             )
-            if prefix_cache_tokens > 0 and not self.capture
+            if cfg.prefix_cache_tokens > 0 and not self.capture
             else None
         )
         self.static: StaticSteps | None = None
         if self.static_shapes:
-            self.static = self._build_static_steps(cuda_graphs)
+            self.static = self._build_static_steps(cfg.cuda_graphs)
         self.rows: list[Row] = []  # row i lives in cache slot i
         self.waiting: deque[Row] = deque()
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))

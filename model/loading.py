@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from model.checkpoint import load_drafter
+from model.config import EngineConfig
 from model.drafter import Drafter
 from model.engine import Engine
 from model.target import TargetModel
@@ -119,15 +122,16 @@ def default_drafter_path(mode: str) -> Path | None:
 def build_engine(
     target: str = DEFAULT_TARGET,
     drafter: str | None = None,
-    mode: str = "domino",
     dtype: str = "auto",
     device: str = "auto",
-    max_batch_size: int = 8,
-    max_model_len: int = 2048,
-    **engine_kwargs: object,
+    config: EngineConfig | None = None,
+    **overrides: Any,
 ) -> tuple[Engine, PreTrainedTokenizerBase]:
     """Load everything a server needs. With the default target and no drafter given, the drafter
-    shipped in models/ is used; where none fits, the engine falls back to `ar` and logs why."""
+    shipped in models/ is used; where none fits, the engine falls back to `ar` and logs why.
+    `overrides` replace fields of `config` (EngineConfig's names); the EOS ids come from the model."""
+    config = replace(config or EngineConfig(), **overrides)
+    mode = config.mode
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, torch_dtype, dev)
@@ -144,15 +148,8 @@ def build_engine(
             if mode == "domino" and not draft_model.config.has_head:
                 log.warning("drafter %s has no Domino head: serving in 'dflash' mode", path)
                 mode = "dflash"
-    engine = Engine(
-        TargetModel(model),
-        draft_model,
-        mode=mode,
-        max_batch_size=max_batch_size,
-        max_model_len=max_model_len,
-        eos_token_ids=eos_token_ids(model, tokenizer),
-        **engine_kwargs,  # type: ignore[arg-type]
-    )
+    config = replace(config, mode=mode, eos_token_ids=tuple(eos_token_ids(model, tokenizer)))
+    engine = Engine(TargetModel(model), draft_model, config)
     return engine, tokenizer
 
 

@@ -215,6 +215,24 @@ def test_context_limit() -> None:
     assert tokens == _hf_greedy(model, prompt[:90], 6)
 
 
+def test_engine_config_is_typed_and_checked() -> None:
+    """One EngineConfig (the server builds it from its settings); keywords override its fields, and a
+    value no engine can run with is refused naming the field."""
+    from dataclasses import replace
+
+    from model.config import EngineConfig
+
+    target = TargetModel(tiny_target())
+    cfg = EngineConfig(mode="ar", max_batch_size=3, max_model_len=64)
+    engine = Engine(target, None, cfg, max_batch_size=2)
+    assert engine.config == replace(cfg, max_batch_size=2) and engine.max_batch_size == 2
+    for field, value in [("mode", "beam"), ("draft_policy", "greedy"), ("max_batch_size", 0), ("max_drafts", 0)]:
+        with pytest.raises(ValueError, match=field):
+            Engine(target, None, cfg, **{field: value})
+    with pytest.raises(TypeError):
+        Engine(target, None, cfg, max_batchsize=2)  # a misspelt field is an error, not ignored
+
+
 def test_invalid_requests_are_rejected() -> None:
     engine = _engine(tiny_target(), "ar", 2)
     with pytest.raises(ValueError, match="outside the vocabulary"):

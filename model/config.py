@@ -1,0 +1,46 @@
+"""`EngineConfig`: everything an `Engine` is configured with, in one typed place (the server builds it
+from its settings, app/server.py; tests and benchmarks override fields by keyword)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("domino", "dflash", "ngram", "ar")
+DRAFT_POLICIES = ("adaptive", "fixed")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    mode: str = "domino"  # domino | dflash (head off) | ngram (copies only) | ar (no drafts)
+    max_batch_size: int = 8  # rows decoding at once
+    max_model_len: int = 2048  # prompt + output tokens per row
+    eos_token_ids: tuple[int, ...] = ()  # end a row unless its request sets ignore_eos
+    # adaptive: drafts per step from the drafter's confidence and measured step costs (model/policy.py);
+    # fixed: every draft up to the first below draft_threshold.
+    draft_policy: str = "adaptive"
+    draft_threshold: float = 0.0
+    max_drafts: int | None = None  # at most this many drafts verified per step (None: the drafter's block)
+    ngram: bool = True  # in domino/dflash, prompt-lookup copies as a second proposer
+    ngram_max_n: int = 4
+    ngram_min_n: int = 1
+    ngram_max_drafts: int = 8
+    static_shapes: bool | None = None  # fixed-shape buckets (CUDA graphs); None: on for CUDA
+    cuda_graphs: bool = True  # capture the static buckets (CUDA only)
+    prefill_split_tokens: int | None = None  # None: 512 on CUDA, 32 on the CPU (engine.prefill_groups)
+    prefix_cache_tokens: int = 0  # 0: no prefix cache
+    prefix_block_size: int = 16  # the prefix cache's granularity, in tokens
+    capture_taps: tuple[int, ...] | None = None  # record these target layers' features (training data)
+
+    def check(self) -> None:
+        """ValueError naming the field, for values no engine can run with."""
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
+        for name in ("max_batch_size", "max_model_len", "prefix_block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_drafts is not None and self.max_drafts < 1:
+            raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
