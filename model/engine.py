@@ -14,7 +14,6 @@ per row and step the policy verifies whichever proposal it expects to pay more (
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,8 +26,10 @@ from model.costs import NgramAcceptance, prior_curve_for
 from model.drafter import DraftContextCache, Drafter, DraftResult
 from model.logits_processors import RowProcessor, new_row_processor, process_logits
 from model.ngram import NgramIndex
-from model.policy import DraftPolicy, NgramPlan, StepChoice
+from model.policy import DraftPolicy, StepChoice
 from model.prefix_cache import PrefixCache
+from model.proposers import DrafterProposer, DraftProposer, NgramProposer
+from model.rejection import Drafts, Proposals, accept, assemble_drafts
 from model.requests import (
     ContextLengthError,
     RequestOutput,
@@ -42,9 +43,8 @@ from model.sampling import (
     greedy_ids,
     processed_probs,
     sample_with_uniform,
-    verify_greedy,
-    verify_sampling,
 )
+from model.scheduler import Scheduler
 from model.static import StaticSteps, batch_buckets, verify_widths
 from model.target import TargetModel, TargetOutput
 
@@ -70,22 +70,32 @@ class Row:
 
 
 @dataclass
-class _Proposals:
-    """One step's proposals: each row's n-gram copy, and the drafter's block for rows span[0]..span[1]-1."""
+class StepState:
+    """What one decode step works on: rows lo..hi-1 and what was drawn and decided for them first."""
 
-    plans: list[NgramPlan | None]
-    draft: DraftResult | None  # None: the drafter did not run this step
-    span: tuple[int, int]
+    lo: int
+    hi: int
+    rows: list[Row]
+    anchors: torch.Tensor  # [R] each row's last committed token
+    sampling: SamplingBatch  # the rows' parameters, with the drafter slots' uniforms
+    uniforms: torch.Tensor  # [R, 2 * width + 1]: draft slots, acceptance tests, final token
+    d: int  # drafter slots this step (0: the policy probes plain decoding)
+    ngram_width: int  # most tokens an n-gram copy may propose
+    width: int  # max(d, ngram_width)
+    budgets: list[int]  # tokens each row may still emit after this step's bonus
+    greedy_rows: list[bool]
+    full: bool  # every slot drafted (a seeded sampling row, or the fixed policy)
+    any_seeded: bool
 
 
 @dataclass
-class _Drafts:
-    """What one step verifies, per row."""
+class StepResults:
+    """A step's results on the host, per row."""
 
-    tokens: torch.Tensor  # [R, k] drafts (padding past a row's count is verified but never counted)
-    token_probs: torch.Tensor  # [R, k] the proposer's probability of each draft (1 for a copy)
-    counts: torch.Tensor  # [R] drafts verified
-    from_ngram: torch.Tensor  # [R] bool: the drafts are the row's n-gram copy
+    accepted: list[int]
+    bonus: list[int]
+    new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
 
 def seed_generator(seed: int) -> np.random.Generator:
@@ -127,9 +137,13 @@ class Engine:
         target: TargetModel,
         drafter: Drafter | None = None,
         config: EngineConfig | None = None,
+        *,
+        proposer: DraftProposer | None = None,
         **overrides: Any,
     ) -> None:
-        """`overrides` replace fields of `config` (EngineConfig's names: `mode="ar"`, ...)."""
+        """`overrides` replace fields of `config` (EngineConfig's names: `mode="ar"`, ...). `proposer`
+        drafts in the drafter's place (tests' and benchmarks' oracles); the drafter's context cache and
+        features are kept either way."""
         cfg = replace(config or EngineConfig(), **overrides)
         if cfg.capture_taps is not None and not isinstance(cfg.capture_taps, tuple):
             cfg = replace(cfg, capture_taps=tuple(cfg.capture_taps))
@@ -194,11 +208,21 @@ class Engine:
             if cfg.prefix_cache_tokens > 0 and not self.capture
             else None
         )
+        # Who drafts: the drafter's block (or `proposer` in its place) and the n-gram copies.
+        self.drafter_proposer = (
+            DrafterProposer(self.drafter, self.draft_cache, self.num_drafts, self.use_head, self.device)
+            if self.drafter is not None and self.draft_cache is not None
+            else None
+        )
+        self.proposer: DraftProposer | None = proposer or self.drafter_proposer
+        self.ngram_proposer = NgramProposer()
         self.static: StaticSteps | None = None
         if self.static_shapes:
             self.static = self._build_static_steps(cfg.cuda_graphs)
+            if self.drafter_proposer is not None:
+                self.drafter_proposer.static = self.static
         self.rows: list[Row] = []  # row i lives in cache slot i
-        self.waiting: deque[Row] = deque()
+        self.scheduler: Scheduler[Row] = Scheduler(cfg.max_batch_size)
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
 
@@ -208,7 +232,7 @@ class Engine:
         captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
         steps = StaticSteps(
             self._static_verify,
-            self._static_propose if self.drafter is not None else None,
+            self.drafter_proposer.static_block if self.drafter_proposer is not None else None,
             self.max_batch_size,
             verify_widths(self.max_drafts_per_step),
             self.device,
@@ -220,32 +244,6 @@ class Engine:
     def _static_verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True, taps=self.taps)
         return (out.logits,) if out.features is None else (out.logits, out.features)
-
-    def _static_propose(self, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Greedy drafts of a full block for slots 0..Rb-1 (backbone + head loop, fixed shapes)."""
-        r, dev = anchors.shape[0], anchors.device
-        greedy = SamplingBatch(
-            temperature=torch.zeros(r, device=dev),
-            top_p=torch.ones(r, device=dev),
-            top_k=torch.zeros(r, dtype=torch.long, device=dev),
-            host_all_greedy=True,
-        )
-        draft = self._draft_block(0, anchors, greedy, self.num_drafts, static=True)
-        return draft.tokens, draft.token_probs, draft.confidence
-
-    def _draft_block(
-        self, lo: int, anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int, static: bool = False
-    ) -> DraftResult:
-        """The drafter over `[anchor, MASK, ...]` blocks for slots lo.., then its draft choice."""
-        assert self.drafter is not None and self.draft_cache is not None
-        block = torch.full(
-            (anchors.shape[0], self.drafter.config.block_size), self.mask_token_id, dtype=torch.long, device=self.device
-        )
-        block[:, 0] = anchors
-        # Hidden states up to the last slot drafted.
-        needed = self.drafter.config.first_draft_position + num_slots
-        hidden = self.drafter.forward_block(self.draft_cache, lo, block, static=static, num_outputs=needed)
-        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
 
     def _attach_drafter(self, max_drafts: int | None, capture_taps: list[int] | None) -> int:
         """Tap the target for the drafter (or for captured training features); the block size."""
@@ -263,7 +261,6 @@ class Engine:
         self.target.add_taps(self.taps)
         self.drafter.bind_target(self.target.embed_tokens.weight, self.target.lm_head.weight)
         self.num_drafts = cfg.num_drafts if max_drafts is None else min(max_drafts, cfg.num_drafts)
-        self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else 0
         return cfg.block_size
 
     # -- public API ---------------------------------------------------------------------------
@@ -298,16 +295,16 @@ class Engine:
             row.ngram = NgramIndex(self.ngram_max_n, self.ngram_min_n)
             row.ngram_acceptance = NgramAcceptance(self.ngram_max_n, self.ngram_max_drafts)
         row.stats.accepted_per_position = [0] * self.max_drafts_per_step
-        self.waiting.append(row)
+        self.scheduler.add(row)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it leaves the batch at the start of the next step."""
-        for row in list(self.waiting) + self.rows:
+        for row in [*self.scheduler, *self.rows]:
             if row.request_id == request_id:
                 row.aborted = True
 
     def has_unfinished(self) -> bool:
-        return bool(self.rows or self.waiting)
+        return bool(self.rows or len(self.scheduler))
 
     @property
     def max_drafts_per_step(self) -> int:
@@ -320,7 +317,7 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.scheduler)
 
     def generate(
         self,
@@ -352,9 +349,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_aborted(outputs)
-        if self.waiting and len(self.rows) < self.max_batch_size:
-            free = self.max_batch_size - len(self.rows)
-            new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        new = self.scheduler.admit(len(self.rows))
+        if new:
             states = [row.generator.bit_generator.state for row in new]
             try:
                 outputs.extend(self._prefill(new))
@@ -391,8 +387,7 @@ class Engine:
         return RequestOutput(row.request_id, [], True, "error", row.stats, error=f"{type(exc).__name__}: {exc}")
 
     def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
-        for row in [r for r in self.waiting if r.aborted]:
-            self.waiting.remove(row)
+        for row in self.scheduler.drop_aborted():
             outputs.append(RequestOutput(row.request_id, [], True, "abort", row.stats))
         gone = [i for i, r in enumerate(self.rows) if r.aborted]
         for i in gone:
@@ -597,18 +592,34 @@ class Engine:
     def _propose(
         self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
-        """Draft the first `num_slots` slots of one block per row (slots lo..). Subclasses may
-        propose differently (tests' oracle)."""
-        if self.static is not None and lo == 0 and sampling.all_greedy and num_slots == self.num_drafts:
-            drafted = self.static.run_propose(anchors)
-            if drafted is not None:
-                return DraftResult(drafted[0], drafted[1], None, drafted[2])
-        return self._draft_block(lo, anchors, sampling, num_slots)
+        """The draft proposer's block (benchmarks' oracles still override this; tests set `proposer`)."""
+        assert self.proposer is not None
+        return self.proposer.propose(lo, rows, anchors, sampling, num_slots)
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
-        """One speculative step for rows lo..hi-1: propose -> choose -> verify -> advance -> emit."""
-        hi = len(self.rows) if hi is None else hi
+        """One speculative step for rows lo..hi-1: propose -> choose -> verify -> accept -> emit."""
+        step = self._begin_step(lo, len(self.rows) if hi is None else hi)
+        t0 = time.perf_counter()
+        proposals = self._propose_all(step)
+        t1 = time.perf_counter()
+        confidence = proposals.draft.confidence[:, : step.d] if proposals.draft is not None else None
+        choice = self.policy.choose(
+            proposals.plans, confidence, proposals.span, step.budgets, step.greedy_rows, step.full
+        )
+        drafts = assemble_drafts(proposals, choice, step.d, self.device)
+        out, accepted, bonus = self._verify(step, proposals, drafts, choice)
+        results = self._accept(step, out, accepted, bonus, drafts)
+        self.last_timing = StepTiming(
+            "decode", len(step.rows), t1 - t0, time.perf_counter() - t1, drafts.tokens.shape[1]
+        )
+        outputs, done = self._emit(step, out, proposals, choice, results)
+        if finalize:
+            self._remove_rows(done)
+        return outputs
+
+    def _begin_step(self, lo: int, hi: int) -> StepState:
+        """What this step drafts and draws for rows lo..hi-1."""
         rows = self.rows[lo:hi]
         # A seeded request must choose the same alone or in a batch: never pause drafting under it,
         # and always draft (and draw uniforms for) the full block.
@@ -620,144 +631,74 @@ class Engine:
         ngram_width = self.ngram_max_drafts if self.ngram and not probe else 0
         width = max(d, ngram_width)
         uniforms = self._draw_uniforms(rows, 2 * width + 1)  # draft slots, acceptance tests, final token
-        sampling = self._sampling_batch(rows, uniforms[:, :d])
-        anchors = torch.tensor([row.anchor for row in rows], dtype=torch.long, device=self.device)
-        budgets = [max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows]
+        return StepState(
+            lo=lo,
+            hi=hi,
+            rows=rows,
+            anchors=torch.tensor([row.anchor for row in rows], dtype=torch.long, device=self.device),
+            sampling=self._sampling_batch(rows, uniforms[:, :d]),
+            uniforms=uniforms,
+            d=d,
+            ngram_width=ngram_width,
+            width=width,
+            budgets=[max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows],
+            greedy_rows=greedy_rows,
+            full=full,
+            any_seeded=any_seeded,
+        )
 
-        t0 = time.perf_counter()
-        proposals = self._propose_all(lo, rows, anchors, sampling, budgets, d, ngram_width, any_seeded)
-        t1 = time.perf_counter()
-        confidence = proposals.draft.confidence[:, :d] if proposals.draft is not None else None
-        choice = self.policy.choose(proposals.plans, confidence, proposals.span, budgets, greedy_rows, full)
-        drafts = self._assemble_drafts(proposals, choice, d)
-        out, accepted, bonus = self._verify(lo, rows, anchors, sampling, uniforms, width, proposals, drafts, choice)
-
-        # One device->host copy of the step's results: accepted count, bonus and drafts per row.
-        host = torch.cat([accepted[:, None], bonus[:, None], drafts.tokens], dim=1).tolist()
-        acc_list, bonus_list, drafts_list = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
-        new_tokens = [drafts_list[i][: acc_list[i]] + [bonus_list[i]] for i in range(len(rows))]
-        logprobs = [
-            self._logprobs(out.logits[i], new_tokens[i], row.params.logprobs)
-            if row.params.logprobs is not None
-            else None
-            for i, row in enumerate(rows)
-        ]
-        self._advance(lo, hi, out, accepted)
-        self.last_timing = StepTiming("decode", len(rows), t1 - t0, time.perf_counter() - t1, drafts.tokens.shape[1])
-        outputs, done = self._emit(lo, rows, out, proposals, choice, new_tokens, acc_list, bonus_list, logprobs)
-        if finalize:
-            self._remove_rows(done)
-        return outputs
-
-    def _propose_all(
-        self,
-        lo: int,
-        rows: list[Row],
-        anchors: torch.Tensor,
-        sampling: SamplingBatch,
-        budgets: list[int],
-        d: int,
-        ngram_width: int,
-        any_seeded: bool,
-    ) -> _Proposals:
+    def _propose_all(self, step: StepState) -> Proposals:
         """Each row's n-gram copy, and the drafter's block for the rows the policy lets it draft."""
-        plans = self.policy.ngram_plans(rows, budgets, ngram_width)
-        span = self.policy.drafter_rows(len(rows), d, any_seeded, plans) if self.drafter is not None else None
+        copies = self.ngram_proposer.propose(step.rows, step.budgets, step.ngram_width)
+        plans = self.policy.ngram_plans(step.rows, copies, step.ngram_width)
+        span = None
+        if self.proposer is not None:
+            span = self.policy.drafter_rows(len(step.rows), step.d, step.any_seeded, plans)
         if span is None:
-            return _Proposals(plans, None, (0, 0))
+            return Proposals(plans, None, (0, 0))
         a, b = span
         t = time.perf_counter()
+        lo, rows, anchors, sampling = step.lo, step.rows, step.anchors, step.sampling
         if self.static is not None and lo == 0 and sampling.all_greedy:
             # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
-            draft = self._propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
+            draft = self._propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, step.d)
         else:
             rows_ab = sampling.rows(torch.arange(a, b, device=self.device))
-            draft = self._propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
+            draft = self._propose(lo + a, rows[a:b], anchors[a:b], rows_ab, step.d)
         self.draft_forwards += 1
         self.policy.costs.observe_draft(b - a, time.perf_counter() - t)
-        return _Proposals(plans, draft, span)
-
-    def _assemble_drafts(self, proposals: _Proposals, choice: StepChoice, d: int) -> _Drafts:
-        """The drafts each row verifies, from its chosen proposer (padding past a row's count is
-        verified but never counted)."""
-        r, k, dev = len(choice.counts), max(choice.counts, default=0), self.device
-        draft, (a, b) = proposals.draft, proposals.span
-        tokens = torch.zeros(r, k, dtype=torch.long, device=dev)
-        token_probs = torch.ones(r, k, device=dev)
-        if draft is not None and k > 0:
-            kd = min(k, d)
-            tokens[a:b, :kd] = draft.tokens[:, :kd]
-            token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
-        from_ngram = torch.tensor(choice.use_ngram, dtype=torch.bool)
-        if k > 0 and bool(from_ngram.any()):
-            copied = torch.zeros(r, k, dtype=torch.long)
-            for i, plan in enumerate(proposals.plans):
-                if choice.use_ngram[i] and plan is not None:
-                    copied[i, : choice.counts[i]] = torch.tensor(plan.tokens[: choice.counts[i]])
-            mask = from_ngram.to(dev)[:, None]
-            tokens = torch.where(mask, copied.to(dev), tokens)
-            token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
-        counts = torch.tensor(choice.counts, dtype=torch.long, device=dev)
-        return _Drafts(tokens, token_probs, counts, from_ngram.to(dev))
+        return Proposals(plans, draft, span)
 
     def _verify(
-        self,
-        lo: int,
-        rows: list[Row],
-        anchors: torch.Tensor,
-        sampling: SamplingBatch,
-        uniforms: torch.Tensor,
-        width: int,
-        proposals: _Proposals,
-        drafts: _Drafts,
-        choice: StepChoice,
+        self, step: StepState, proposals: Proposals, drafts: Drafts, choice: StepChoice
     ) -> tuple[TargetOutput, torch.Tensor, torch.Tensor]:
         """One target forward over [anchor, drafts] per row; (output, accepted drafts [R], bonus [R])."""
         r, k = drafts.tokens.shape
-        dev = self.device
-        tokens = torch.cat([anchors[:, None], drafts.tokens], dim=1)
+        tokens = torch.cat([step.anchors[:, None], drafts.tokens], dim=1)
         t_fwd = time.perf_counter()
-        out = self._target_verify(lo, tokens)
+        out = self._target_verify(step.lo, tokens)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
         self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
-        logits = out.logits  # [R, k + 1, V]
-        scores = process_logits([row.processor for row in rows], logits, drafts.tokens)  # what the rows choose from
-
-        accepted = torch.zeros(r, dtype=torch.long, device=dev)
-        bonus = torch.zeros(r, dtype=torch.long, device=dev)
-        greedy = sampling.greedy
-        any_greedy = any(row.params.temperature <= 0 for row in rows)  # known on the host: no sync
+        # What the rows choose from: the target's logits through each row's processors.
+        scores = process_logits([row.processor for row in step.rows], out.logits, drafts.tokens)
+        draft_vocab = (
+            self.drafter.draft_vocab_ids if self.drafter is not None and self.drafter.config.draft_vocab_size else None
+        )
+        any_greedy = any(step.greedy_rows)  # known on the host: no sync
+        accepted, bonus = accept(
+            scores, drafts, step.sampling, step.uniforms, step.width, proposals, any_greedy, draft_vocab
+        )
         draft, (a, b) = proposals.draft, proposals.span
-        if any_greedy:
-            g = greedy.nonzero().squeeze(1)
-            acc_g, bonus_g = verify_greedy(scores[g], drafts.tokens[g], drafts.counts[g])
-            accepted[g], bonus[g] = acc_g, bonus_g
+        if any_greedy and k > 0 and draft is not None:
             # Calibrate the drafter on the greedy rows that verified its drafts.
-            mine = [i for i in g.tolist() if a <= i < b and not choice.use_ngram[i]]
-            if k > 0 and draft is not None and mine:
-                idx = torch.tensor(mine, device=dev)
+            mine = [i for i in range(a, b) if step.greedy_rows[i] and not choice.use_ngram[i]]
+            if mine:
+                idx = torch.tensor(mine, device=self.device)
                 d = draft.confidence.shape[1]
                 self.policy.observe_drafter(
                     draft.confidence[idx - a, : min(k, d)].float(), drafts.counts[idx], accepted[idx]
                 )
-        if not sampling.all_greedy:
-            s = (~greedy).nonzero().squeeze(1)
-            p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
-            acc_s, bonus_s = verify_sampling(
-                p,
-                drafts.tokens[s],
-                drafts.token_probs[s],
-                self._draft_dists(draft, s, a, b, draft.tokens.shape[1] if draft is not None else 0, k),
-                drafts.counts[s],
-                uniforms[s, width : width + k],
-                uniforms[s, 2 * width],
-                self.drafter.draft_vocab_ids
-                if self.drafter is not None and self.drafter.config.draft_vocab_size
-                else None,
-                onehot=drafts.from_ngram[s],
-            )
-            accepted[s], bonus[s] = acc_s, bonus_s
         return out, accepted, bonus
 
     def _target_verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
@@ -768,6 +709,22 @@ class Engine:
             if out is not None:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
         return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
+
+    def _accept(
+        self, step: StepState, out: TargetOutput, accepted: torch.Tensor, bonus: torch.Tensor, drafts: Drafts
+    ) -> StepResults:
+        """The step's results on the host (one device->host copy), and the caches advanced by them."""
+        host = torch.cat([accepted[:, None], bonus[:, None], drafts.tokens], dim=1).tolist()
+        results = StepResults(accepted=[h[0] for h in host], bonus=[h[1] for h in host])
+        results.new_tokens = [h[2 : 2 + h[0]] + [h[1]] for h in host]
+        results.logprobs = [
+            self._logprobs(out.logits[i], results.new_tokens[i], row.params.logprobs)
+            if row.params.logprobs is not None
+            else None
+            for i, row in enumerate(step.rows)
+        ]
+        self._advance(step.lo, step.hi, out, accepted)
+        return results
 
     def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply
@@ -785,27 +742,18 @@ class Engine:
         self.cache.lengths[lo:hi] += accepted + 1
 
     def _emit(
-        self,
-        lo: int,
-        rows: list[Row],
-        out: TargetOutput,
-        proposals: _Proposals,
-        choice: StepChoice,
-        new_tokens: list[list[int]],
-        acc_list: list[int],
-        bonus_list: list[int],
-        logprobs: list[list[TokenLogprob] | None],
+        self, step: StepState, out: TargetOutput, proposals: Proposals, choice: StepChoice, results: StepResults
     ) -> tuple[list[RequestOutput], list[int]]:
         """Commit each row's tokens, update its statistics; (outputs, slots of finished rows)."""
         outputs, done = [], []
-        for i, row in enumerate(rows):
-            a_i, n_i = acc_list[i], choice.counts[i]
+        for i, row in enumerate(step.rows):
+            a_i, n_i = results.accepted[i], choice.counts[i]
             proposer = None if n_i == 0 else ("ngram" if choice.use_ngram[i] else "drafter")
             plan = proposals.plans[i]
             if proposer == "ngram" and plan is not None:
                 self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.temperature <= 0)
-            output = self._commit(row, new_tokens[i], logprobs[i])
-            row.anchor = bonus_list[i]
+            output = self._commit(row, results.new_tokens[i], results.logprobs[i])
+            row.anchor = results.bonus[i]
             st = row.stats
             st.verify_steps += 1
             st.steps_with_drafts += n_i > 0
@@ -824,21 +772,5 @@ class Engine:
                 assert out.features is not None
                 output.features = out.features[i, : a_i + 1].to(torch.float16).cpu()
             if output.finished:
-                done.append(lo + i)
+                done.append(step.lo + i)
         return outputs, done
-
-    def _draft_dists(
-        self, draft: DraftResult | None, s: torch.Tensor, a: int, b: int, d: int, k: int
-    ) -> torch.Tensor | None:
-        """The drafter's distributions [S, k, Vd] for sampling rows s (rows it did not draft: zeros)."""
-        if draft is None or draft.draft_probs is None or k == 0:
-            return None
-        idx = s.tolist()
-        if k <= d and all(a <= i < b for i in idx):
-            return draft.draft_probs[s - a, :k]
-        full = draft.draft_probs.new_zeros(len(idx), k, draft.draft_probs.shape[-1])
-        kd = min(k, d)
-        for j, i in enumerate(idx):
-            if a <= i < b:
-                full[j, :kd] = draft.draft_probs[i - a, :kd]
-        return full

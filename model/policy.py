@@ -39,7 +39,7 @@ from model.costs import (
     VerifyCurve,
     prior_verify,
 )
-from model.ngram import NgramIndex
+from model.ngram import NgramProposal
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
@@ -50,10 +50,7 @@ NGRAM_FADE = 0.998
 class PolicyRow(Protocol):
     """What the policy reads of an engine row."""
 
-    prompt_ids: list[int]
-    output_ids: list[int]
     params: Any  # SamplingParams: temperature
-    ngram: NgramIndex | None
     ngram_acceptance: NgramAcceptance | None
 
 
@@ -128,26 +125,18 @@ class DraftPolicy:
         """Drafter slots to run this step (`full`: every slot, e.g. under a seeded row)."""
         return self.num_drafts if full or not self.adaptive else self.draft_width
 
-    def ngram_plans(self, rows: Sequence[PolicyRow], budgets: list[int], width: int) -> list[NgramPlan | None]:
-        """Each row's n-gram proposal (at most `width` tokens, within its budget) and its expected
-        acceptance per slot: greedy rows shrink their own record towards the engine-wide one;
-        sampling rows use their own record only, so a seeded row decides the same in any batch."""
+    def ngram_plans(
+        self, rows: Sequence[PolicyRow], proposals: Sequence[NgramProposal | None], width: int
+    ) -> list[NgramPlan | None]:
+        """Each row's n-gram proposal (model/proposers.py) with its expected acceptance per slot:
+        greedy rows shrink their own record towards the engine-wide one; sampling rows use their own
+        record only, so a seeded row decides the same in any batch."""
         if width:
             self.ngram_acceptance.fade(NGRAM_FADE)
         plans: list[NgramPlan | None] = []
-        for row, budget in zip(rows, budgets):
-            index, record = row.ngram, row.ngram_acceptance
-            if index is None or record is None or width == 0 or budget == 0:
-                plans.append(None)
-                continue
-            # Catch the index up with what was committed since (prompt first, then the output).
-            seen, plen = len(index), len(row.prompt_ids)
-            if seen < plen:
-                index.extend(row.prompt_ids[seen:])
-                seen = plen
-            index.extend(row.output_ids[seen - plen :])
-            proposal = index.propose(min(width, budget))
-            if proposal is None:
+        for row, proposal in zip(rows, proposals):
+            record = row.ngram_acceptance
+            if proposal is None or record is None:
                 plans.append(None)
                 continue
             n, slots = proposal.match_len, len(proposal.tokens)

@@ -30,7 +30,7 @@ class SlotCache(Protocol):
 
 
 @dataclass
-class _Block:
+class CachedBlock:
     tokens: tuple[int, ...]
     parent: int | None  # the key of the block before it (None: the prompt's first block)
     kv: list[torch.Tensor]  # per cache: [layers, 2, kv_heads, block_size, head_dim]
@@ -45,7 +45,7 @@ class PrefixCache:
         self.caches = caches
         self.block_size = block_size
         self.max_blocks = max_tokens // block_size
-        self.blocks: OrderedDict[int, _Block] = OrderedDict()
+        self.blocks: OrderedDict[int, CachedBlock] = OrderedDict()
         self.hit_tokens = 0  # prompt tokens copied instead of computed, since creation
         self.lookups = 0
 
@@ -104,7 +104,7 @@ class PrefixCache:
                     torch.stack([torch.stack([k[slot, :, lo:hi], v[slot, :, lo:hi]]) for k, v in zip(c.keys, c.values)])
                     for c in self.caches
                 ]
-                self.blocks[key] = _Block(tokens, parent, kv)
+                self.blocks[key] = CachedBlock(tokens, parent, kv)
             parent = key
         for key, _ in reversed(chain):
             if key in self.blocks:

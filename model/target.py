@@ -8,6 +8,8 @@ rejected tokens is free: a row's length simply isn't advanced past them.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ class RaggedKVCache(Cache):
         self._hi = 0
         self._kv_len = 0
         self._index: tuple[torch.Tensor, ...] = ()
+        self.written: list[int] = []  # layer_idx of every `update` since the last `prepare`
 
     def prepare(self, lo: int, start: torch.Tensor, num_new: int, static: bool = False) -> None:
         """Route the next forward's writes: rows lo.., token t of row r goes to start[r] + t.
@@ -61,10 +64,12 @@ class RaggedKVCache(Cache):
         if static:
             pos = pos.clamp_max(self.capacity - 1)
         self._index = (rows, heads, pos)
+        self.written = []
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.written.append(layer_idx)
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k.index_put_(self._index, key_states.to(k.dtype))
         v.index_put_(self._index, value_states.to(v.dtype))
@@ -76,6 +81,26 @@ class RaggedKVCache(Cache):
     def move_row(self, src: int, dst: int) -> None:
         """Copy one row's context into another slot (used when compacting the batch)."""
         move_slot(self.keys, self.values, self.lengths, src, dst)
+
+
+def cache_argument(forward: Callable[..., Any]) -> str:
+    """The keyword a decoder's forward takes its cache under: `cache` (newer transformers) or
+    `past_key_values` (older ones, e.g. the GPU image's 5.17). Passing the wrong one is silent: the
+    decoder swallows it into **kwargs and builds a cache of its own, so ours is never written."""
+    params = inspect.signature(forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise TypeError(f"{getattr(forward, '__qualname__', forward)} takes neither `cache` nor `past_key_values`")
+
+
+def check_cache_written(cache: RaggedKVCache, num_layers: int) -> None:
+    """Every decoder layer wrote its keys/values into our cache exactly once in this forward."""
+    if sorted(cache.written) != list(range(num_layers)):
+        raise RuntimeError(
+            f"the decoder wrote the KV cache for layers {sorted(cache.written)}, expected each of 0..{num_layers - 1} "
+            "once: was the cache passed under the argument name this transformers takes?"
+        )
 
 
 @dataclass
@@ -95,6 +120,7 @@ class TargetModel:
         self.decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else hf_model.model
         self.lm_head = hf_model.get_output_embeddings()
         self.embed_tokens = hf_model.get_input_embeddings()
+        self.cache_kwarg = cache_argument(self.decoder.forward)  # inspected once, not per forward
         self.num_layers = int(self.config.num_hidden_layers)
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.lm_head.weight.shape[0])
@@ -167,7 +193,9 @@ class TargetModel:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device)
         mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
         self._captured.clear()
-        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        kwargs = {self.cache_kwarg: cache}
+        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+        check_cache_written(cache, self.num_layers)  # host-side only: no sync, fine inside a graph capture
         hidden = all_hidden = out.last_hidden_state
         if logits_at is not None:
             hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 import torch
 
 from model.drafter import DraftResult
 from model.engine import ContextLengthError, Engine, Row, SamplingParams
-from model.prefix_cache import _Block
+from model.prefix_cache import CachedBlock
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
@@ -90,16 +93,17 @@ def test_rows_join_while_others_decode(target_and_refs, mode: str) -> None:
     assert [tokens[str(i)] for i in range(8)] == refs
 
 
-class OracleEngine(Engine):
-    """Proposes the known target continuation, optionally corrupted at chosen draft slots."""
+class OracleProposer:
+    """Proposes the known target continuation, optionally corrupted at chosen draft slots (a
+    model.proposers.DraftProposer in the drafter's place)."""
 
-    def __init__(self, *args, continuations: dict[str, list[int]], corrupt: set[int] = frozenset(), **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, continuations: dict[str, list[int]], vocab_size: int, corrupt: set[int] = frozenset()) -> None:
         self.continuations = continuations
+        self.vocab_size = vocab_size
         self.corrupt = set(corrupt)
 
-    def _propose(
-        self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+    def propose(
+        self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
         d = num_slots
         out = torch.zeros(len(rows), d, dtype=torch.long)
@@ -110,15 +114,21 @@ class OracleEngine(Engine):
             for j in range(d):
                 out[i, j] = future[j]
                 if j in self.corrupt:
-                    out[i, j] = (future[j] + 1) % self.target.vocab_size
+                    out[i, j] = (future[j] + 1) % self.vocab_size
         return DraftResult(out, torch.ones(len(rows), d), None, torch.ones(len(rows), d))
 
 
-def _oracle(
-    model, continuations, corrupt=frozenset(), batch=4, draft_policy="fixed", ngram=False, **kwargs
-) -> OracleEngine:
+def oracle_engine(
+    target: TargetModel, drafter: Any, *, continuations: dict[str, list[int]], corrupt: set[int] = frozenset(), **config
+) -> Engine:
+    """An engine whose drafts are the oracle's (the drafter still keeps its context cache)."""
+    proposer = OracleProposer(continuations, target.vocab_size, corrupt)
+    return Engine(target, drafter, proposer=proposer, **config)
+
+
+def _oracle(model, continuations, corrupt=frozenset(), batch=4, draft_policy="fixed", ngram=False, **kwargs) -> Engine:
     # n-gram copies off by default: these tests count exactly what the oracle's drafts do.
-    return OracleEngine(
+    return oracle_engine(
         TargetModel(model),
         tiny_drafter(domino=False, block_size=5),  # 4 drafts per block
         mode="dflash",
@@ -545,5 +555,5 @@ def test_prefix_cache_evicts_to_its_budget_and_checks_tokens_not_just_hashes() -
     probe = list(range(40, 52))
     cache.blocks.clear()
     key, _ = cache._chain(probe)[0]
-    cache.blocks[key] = _Block((1, 2, 3, 4), None, [])
+    cache.blocks[key] = CachedBlock((1, 2, 3, 4), None, [])
     assert cache.lookup(probe) == []

@@ -15,7 +15,7 @@ from model.engine import Engine, SamplingParams
 from model.static import batch_buckets, bucket_for, verify_widths
 from model.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
-from tests.model.test_engine import OracleEngine, _hf_greedy, _prompts
+from tests.model.test_engine import _hf_greedy, _prompts, oracle_engine
 
 MODES = ("ar", "ngram", "dflash", "domino")
 
@@ -96,7 +96,7 @@ def test_static_oracle_accepts_full_blocks() -> None:
     model = tiny_target()
     prompts = _prompts(3)
     refs = [_hf_greedy(model, p, 21) for p in prompts]
-    engine = OracleEngine(
+    engine = oracle_engine(
         TargetModel(model),
         tiny_drafter(domino=False, block_size=5),
         mode="dflash",
@@ -158,7 +158,7 @@ def test_bucket_functions_never_read_back_to_the_host(kind: str) -> None:
     with torch.inference_mode():
         with HostReads() as static_reads:
             engine._static_verify(tokens)
-            engine._static_propose(torch.zeros(2, dtype=torch.long))
+            engine.drafter_proposer.static_block(torch.zeros(2, dtype=torch.long))
         with HostReads() as dynamic_reads:
             engine.target.forward(engine.cache, 0, tokens)
     assert static_reads.reads == []

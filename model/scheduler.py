@@ -1,0 +1,43 @@
+"""Which requests run: the waiting queue and admission (first come, first served, as many as there
+are free rows). The room where block allocation, preemption and prefill chunks go as the engine
+grows them (issue 37); the engine asks it each step and runs what it admits."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Generic, Protocol, TypeVar
+
+
+class Schedulable(Protocol):
+    aborted: bool
+
+
+R = TypeVar("R", bound=Schedulable)
+
+
+class Scheduler(Generic[R]):
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self.waiting: deque[R] = deque()
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def __iter__(self) -> Iterator[R]:
+        return iter(self.waiting)
+
+    def add(self, row: R) -> None:
+        self.waiting.append(row)
+
+    def drop_aborted(self) -> list[R]:
+        """Waiting requests that were aborted, taken out of the queue."""
+        gone = [r for r in self.waiting if r.aborted]
+        for row in gone:
+            self.waiting.remove(row)
+        return gone
+
+    def admit(self, num_running: int) -> list[R]:
+        """The requests to start this step, oldest first, filling the free rows."""
+        free = max(0, self.max_running - num_running)
+        return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
