@@ -1,15 +1,18 @@
-"""What the two GPU benchmarks (bench/gpu_costs.py, bench/gpu_e2e.py) share: the Qwen3-8B /
-Domino-b16 shapes and their scaled-down copies, random-weight builders, timing, the environment a
-result was measured on, and their common flags. Rendering and writing results: bench/report.py.
+"""What the benchmarks share: the Qwen3-8B / Domino-b16 shapes, their scaled-down copies and the
+tiny CPU shapes, random-weight builders, timing, the environment a result was measured on, and the
+GPU benchmarks' common flags. Rendering and writing results: bench/report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -23,6 +26,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from model.engine import Engine
 from model.target import TargetModel
+
+REPO = Path(__file__).resolve().parent.parent
 
 # -- shapes ------------------------------------------------------------------------------------
 
@@ -52,6 +57,22 @@ SHARED_WIDTHS = (
     "intermediate_size",
     "vocab_size",
 )
+# A tiny model for CPU measurements of the engine's own work (bench/step_overhead.py): a 2-layer,
+# 64-wide target and a 2-layer drafter over it.
+TINY = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 128,
+    "target_layers": 2,
+    "draft_layers": 2,
+    "gru_hidden_dim": 24,
+    "emb_dim": 8,
+    "mask_token_id": 127,
+    "block_size": 6,
+}
 # Engine variants: (static_shapes, cuda_graphs). eager is the dynamic path (the default on the CPU).
 VARIANTS: dict[str, tuple[bool, bool]] = {"eager": (False, False), "static": (True, False), "graph": (True, True)}
 
@@ -102,8 +123,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_target(shapes: dict[str, int], dtype: torch.dtype, device: torch.device) -> TargetModel:
-    config = Qwen3Config(
+def build_target(shapes: dict[str, int], dtype: torch.dtype, device: torch.device, **config: Any) -> TargetModel:
+    """A random Qwen3 target of these shapes; `config` overrides fields of its Qwen3Config."""
+    fields: dict[str, Any] = dict(
         **{k: shapes[k] for k in SHARED_WIDTHS},
         num_hidden_layers=shapes["target_layers"],
         max_position_embeddings=40960,
@@ -114,6 +136,7 @@ def build_target(shapes: dict[str, int], dtype: torch.dtype, device: torch.devic
         bos_token_id=None,
         pad_token_id=None,
     )
+    config = Qwen3Config(**{**fields, **config})
     # Parameters are created (and randomly initialised) on the device in the target dtype: the
     # full-size model is ~16 GB in bf16 and must never exist as an fp32 copy or on the host.
     with torch.device(device):
@@ -121,9 +144,10 @@ def build_target(shapes: dict[str, int], dtype: torch.dtype, device: torch.devic
     return TargetModel(model.eval())
 
 
-def build_drafter(shapes: dict[str, int], dtype: torch.dtype, device: torch.device) -> Drafter:
+def build_drafter(shapes: dict[str, int], dtype: torch.dtype, device: torch.device, **config: Any) -> Drafter:
+    """A random Domino drafter of these shapes; `config` overrides fields of its DrafterConfig."""
     layers, target_layers = shapes["draft_layers"], shapes["target_layers"]
-    cfg = DrafterConfig(
+    fields: dict[str, Any] = dict(
         **{k: shapes[k] for k in SHARED_WIDTHS},
         num_hidden_layers=layers,
         block_size=shapes["block_size"],
@@ -136,9 +160,22 @@ def build_drafter(shapes: dict[str, int], dtype: torch.dtype, device: torch.devi
         gru_hidden_dim=shapes["gru_hidden_dim"],
         emb_dim=shapes["emb_dim"],
     )
+    cfg = DrafterConfig(**{**fields, **config})
     with torch.device(device), default_dtype(dtype):
         drafter = Drafter(cfg)
     return drafter.eval()
+
+
+@torch.no_grad()
+def widen_init(module: torch.nn.Module, std: float) -> torch.nn.Module:
+    """Redraw a module's weights: N(0, std), norms 1 + N(0, 0.1). A wide init gives a tiny random
+    drafter drafts that are not near-uniform."""
+    for name, p in module.named_parameters():
+        if "norm" in name:
+            p.copy_(1 + 0.1 * torch.randn_like(p))
+        else:
+            p.normal_(0, std)
+    return module
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -202,6 +239,53 @@ def environment(device: torch.device, dtype: torch.dtype, build_s: float) -> dic
         "threads": torch.get_num_threads(),
         "build_seconds": build_s,
     }
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU's model name (as lscpu shows it), whether it has AVX-512 BF16, and the CPU count."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    return {"cpu": name, "avx512_bf16": "avx512_bf16" in fields.get("flags", "").split(), "cpus": os.cpu_count()}
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured, and whether model/ had uncommitted changes (a result that names source
+    lines needs both)."""
+    try:
+        run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True, timeout=10, check=True)
+        commit = run(["git", "rev-parse", "HEAD"]).stdout.strip()
+        changes = run(["git", "status", "--porcelain", "--", "model"]).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "model_dirty": None, "model_changes": None}
+    return {"commit": commit, "model_dirty": bool(changes), "model_changes": changes}
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: other work on the machine while a host-time result was measured."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def host_environment(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """What a result that times host work was measured on: versions, the CPU, the load at the start
+    and the commit (and on CUDA the GPU)."""
+    env: dict[str, Any] = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        **cpu_info(),
+        "load_average": load_average(),
+        **git_state(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
 
 
 def device_and_dtype(device_arg: str, dtype_arg: str) -> tuple[torch.device, torch.dtype]:

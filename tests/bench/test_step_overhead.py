@@ -1,0 +1,76 @@
+"""bench.step_overhead: a short CPU run (ar and domino, batch 1 and 8, 3 steps) and its read counter
+(bench/host_reads.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from bench.host_reads import ReadCounter
+from bench.step_overhead import main
+
+COUNTS = ("reads", "shape_syncs", "device_reads", "device_shape_syncs")
+
+
+def test_short_run_reports_every_case(tmp_path: Path) -> None:
+    json_path, md_path = tmp_path / "step_overhead.json", tmp_path / "step_overhead.md"
+    argv = ["--modes", "ar,domino", "--batches", "1,8", "--steps", "3", "--json", str(json_path)]
+    main([*argv, "--markdown", str(md_path)])
+    result = json.loads(json_path.read_text())
+    env = result["environment"]
+    assert (env["device"], env["dtype"], env["threads"]) == ("cpu", "float32", 1)
+    assert env["cpu"] and isinstance(env["avx512_bf16"], bool)
+    cases = {(r["mode"], r["policy"], r["batch"], r["sampling"]) for r in result["results"]}
+    runs = [("ar", "adaptive"), ("domino", "adaptive"), ("domino", "fixed")]  # ar never drafts: one policy
+    assert cases == {(m, p, b, s) for m, p in runs for b in (1, 8) for s in ("greedy", "sampled")}
+    for r in result["results"]:
+        assert r["steps"] == 3
+        for name in COUNTS:
+            counts = r[name]
+            assert len(counts["per_step"]) == 3
+            assert all(isinstance(n, int) and n >= 0 for n in counts["per_step"])
+            assert isinstance(counts["max"], int) and counts["max"] == max(counts["per_step"])
+            assert sum(counts["by_site"].values()) == counts["total"] == sum(counts["per_step"])
+        assert r["cuda_syncs"] is None  # CUDA only
+        # Every step reads its results back at least once; the CPU view counts host tensors too.
+        assert min(r["device_reads"]["per_step"]) >= 1
+        assert r["reads"]["total"] + r["device_reads"]["total"] > 0
+        host, step = r["host_ms"], r["step_ms"]
+        assert len(host["per_step"]) == len(step["per_step"]) == 3
+        assert all(0 < h < s for h, s in zip(host["per_step"], step["per_step"]))
+        assert 0 < host["median"] < step["median"] and host["mean"] < step["mean"]
+        assert 0 < r["host_cpu_ms"]["median"] < r["step_cpu_ms"]["median"]
+        assert r["static_verify_calls"] >= 3 and r["dynamic_verifies"] == 0  # every verify in a bucket
+        if r["mode"] == "ar":
+            assert r["static_propose_calls"] == 0
+        elif r["policy"] == "fixed" and r["sampling"] == "greedy":
+            assert r["static_propose_calls"] == 3  # a full block every step, through the drafting bucket
+    report = md_path.read_text()
+    assert "| domino | fixed | 8 | sampled |" in report and env["cpu"] in report
+
+
+def test_read_counter_views() -> None:
+    """The brief's view counts every CPU tensor; the device view only what lives on a CUDA device."""
+    cpu = torch.device("cpu")
+    counter = ReadCounter(cpu)
+    counter.counting = True
+    with counter:
+        x = torch.zeros(3, device=cpu)  # explicit device=: a device tensor
+        h = torch.tensor([1, 2])  # no device=: a host tensor on CUDA too
+        x.tolist()
+        h.tolist()
+        y = x.cpu()
+        y.tolist()
+        bool((x > 0).any())
+        int(torch.arange(2, device=h.device)[0])  # made on a host tensor's device
+        torch.zeros(3).copy_(x)  # a device tensor written into a host one
+        x.nonzero()
+        h.nonzero()
+        with counter.excluded.region():
+            x.tolist()  # inside an excluded region (a bucket): not counted
+    assert counter.total("all:read") == 6
+    assert counter.total("device:read") == 4  # x.tolist, x.cpu, bool(...), copy_
+    assert counter.total("all:shape") == 2 and counter.total("device:shape") == 1
+    assert all("test_step_overhead.py" in site for site in counter.counts["device:read"])
