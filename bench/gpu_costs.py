@@ -56,7 +56,7 @@ DEFINITIONS = {
     "target_ms[T]": "TargetModel.forward of T new tokens per row over `context` cached tokens (features on for T > 1)",
     "backbone_ms": "Drafter.forward_block of one [anchor, MASK x (B-1)] block per row",
     "draft_base_ms / draft_domino_ms": "Drafter.draft (greedy) with the head off / on",
-    "head_ms": "draft_domino_ms - draft_base_ms: the Domino head's sequential loop",
+    "head_ms": "draft_domino_ms - draft_base_ms: the Domino head's sequential loop, eager (graph: graph_vs_eager.head)",
     "append_ms": "Drafter.append_context of B + 1 verified tokens' features per row",
     "engine.<mode>.step_ms": "Engine.step() of a full decode batch (draft_policy fixed: every draft verified)",
     "engine_overhead_ms": "step_ms minus the model work above that the step runs",
@@ -67,6 +67,8 @@ DEFINITIONS = {
     "graph_vs_eager.verify_<T>": "Engine._target_verify of T tokens per row (T = 1: ar engine, T = W + 1: domino)",
     "graph_vs_eager.propose_<m>": "Engine._propose of a full greedy block (backbone + draft; the static bucket)",
     "graph_vs_eager.step_<m>": "Engine.step() of the <m> engine, as engine.<m>.step_ms",
+    "graph_vs_eager.head": "propose_domino - propose_dflash per variant: the head as the engine runs it",
+    "static_capacity": "the cache capacity the static / graph engines of a row attend over, whatever its context",
     "warmup": "StaticSteps.warm_up of each static engine: buckets captured as graphs / run eagerly, s, MiB",
     "warmup.pools_mib": "memory_reserved growth over the engine's build minus its KV caches (CUDA; graph pools)",
 }
@@ -240,6 +242,8 @@ def graph_vs_eager(by_variant: dict[str, dict[str, dict[str, Any]]]) -> dict[str
             parts.setdefault(f"propose_{mode}", {})[variant] = modes[mode]["propose_ms"]
         for mode in MODES:
             parts.setdefault(f"step_{mode}", {})[variant] = modes[mode]["step_ms"]
+    # The head's cost in each variant (as a graph in `graph`): the bare `head_ms` is eager only.
+    parts["head"] = {v: parts["propose_domino"][v] - parts["propose_dflash"][v] for v in parts["propose_domino"]}
     return parts
 
 
@@ -373,6 +377,8 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
                 row["engine_overhead_ms"] = {m: engine_overhead(row, m) for m in MODES}
                 row["projection"] = project(row, b, args.tau, args.tau_dflash)
                 row["graph_vs_eager"] = graph_vs_eager({v: {m: engines[v][m][ctx] for m in MODES} for v in engines})
+                # Static-shape forwards attend over the whole capacity: the context is the eager column's.
+                row["static_capacity"] = max((w["capacity"] for w in warmups if w["batch"] == batch), default=None)
                 if "graph" in engines:
                     steps = row["graph_vs_eager"]
                     for name in ("domino", "dflash"):

@@ -3,24 +3,28 @@
 Random weights accept nothing, so the target is given a planted greedy rule and the drafts are
 made to follow it for a scheduled number of slots:
 
-- planted target: the embedding rows are random directions of a large norm (they dominate the
-  residual stream, whatever the random layers add) and the LM head row of succ[v] is v's direction,
-  so the greedy next token after v is succ[v] (a fixed random permutation) with a wide margin, in
-  bf16 too. Only weight values change: every layer still runs at full size, so costs are real;
+- planted target (`plant_copy`): the greedy next token at position i is the token at i + 1 - 32,
+  so the target continues its context with period 32. Layer 0's attention finds that position by
+  RoPE position alone and copies the token from the KV cache; a match tests attention, positions
+  and the cache, not just the current token. The embedding rows are large (they dominate the
+  residual stream, whatever the random layers add), so the margin is wide in bf16 too. Only weight
+  values change: every layer still runs at full size, so costs are real;
 - oracle drafter (`OracleEngine`): the real drafter runs every step (its static-shape bucket /
   CUDA graph where the engine has one), then its drafts are replaced by the target's own greedy
-  continuation succ(anchor), succ(succ(anchor)), ... for the first a_s slots of step s and a wrong
-  token after, with a_s = floor((s + 1)(tau - 1)) - floor(s (tau - 1)): acceptance length tau on
-  average, exactly (a row's last steps are cut by its token budget; `tau_expected` allows for it).
+  continuation of each row for the first a_s slots of step s and a wrong token after, with
+  a_s = floor((s + 1)(tau - 1)) - floor(s (tau - 1)): acceptance length tau on average, exactly (a
+  row's last steps are cut by its token budget; `tau_expected` allows for it).
 
 Every engine decodes the same prompts at batch size B (all rows admitted in one prefill, equal
 budgets, so they finish together); tokens/s counts the tokens after each row's first over the time
 after the prefill. Engines: `ar` and the oracle in `--mode` (domino: head on), each as `eager` (the
 dynamic path), `static` (static-shape buckets run eagerly) and `graph` (the buckets replayed as
 CUDA graphs; on the CPU the same code as static). Speedups are against the graph-captured `ar`.
+Static-shape engines attend over their whole capacity (--max-model-len + B + 2, 2048 by default),
+so a short run is not made cheaper by a small cache.
 
     python -m bench.gpu_e2e                                          # full size on CUDA, bf16
-    python -m bench.gpu_e2e --scale 16 --layers-scale 4 --device cpu --max-new-tokens 40
+    python -m bench.gpu_e2e --scale 16 --layers-scale 4 --device cpu --max-new-tokens 40 --repeats 1
 """
 
 from __future__ import annotations
@@ -45,49 +49,91 @@ DEFAULT_TAUS = (1.0, 4.0, 7.17)  # no acceptance, a middling drafter, the publis
 
 # -- the planted target ------------------------------------------------------------------------
 
+COPY_OFFSET = 32  # the planted rule: next token at position i = the token at i + 1 - COPY_OFFSET
+COPY_FREQS = 8  # RoPE frequency pairs the planted head uses: the fastest, sharpest in position
+
 
 @torch.no_grad()
-def plant_successor(target: TargetModel, seed: int, embed_rms: float) -> torch.Tensor:
-    """Make the target's greedy next token after v be succ[v]; returns succ [V] (on the device).
+def plant_copy(target: TargetModel, seed: int, embed_rms: float, offset: int = COPY_OFFSET, gain: float = 8.0) -> None:
+    """Make the target's greedy next token at position i the token at position i + 1 - offset: it
+    continues its context with period `offset`. A match therefore needs layer 0's attention to read
+    the right earlier position back from the KV cache (by RoPE position alone), not just the token.
 
-    Embedding rows: random unit directions u_v times embed_rms * sqrt(H) (per-element RMS embed_rms,
-    far above what 36 random layers add: ~2.4 at full width). LM head row succ[v] = u_v, so after the
-    final norm the logit of succ[v] is ~sqrt(H) and every other is a random cosine times that.
-    """
+    Embedding rows: random unit directions u_v (orthogonal to one shared direction c) plus c, times
+    embed_rms * sqrt(H): they dominate the residual stream whatever the random layers add. Layer 0:
+    q and k read only c, so they are the same for every token; after q_norm / k_norm (gain `gain`) and
+    RoPE their score is gain^2 sqrt(d) * mean_f cos(theta_f (delta - (offset - 1))) over the fastest
+    COPY_FREQS frequencies: one sharp peak at delta = offset - 1. v reads u_v (not c), o_proj writes
+    the copied token's code d_v (3x the embedding's norm) and LM head row v is d_v's direction.
+    Only weight values change: every layer still runs at full size, so costs are real."""
     embed, head = target.embed_tokens.weight, target.lm_head.weight
     vocab, hidden = embed.shape
-    gen = torch.Generator(device=embed.device).manual_seed(seed)
-    succ = torch.randperm(vocab, generator=gen, device=embed.device)
+    dev, dt = embed.device, embed.dtype
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    attn = target.decoder.layers[0].self_attn
+    hd = target.head_dim
+    heads, kv_heads = attn.q_proj.weight.shape[0] // hd, attn.k_proj.weight.shape[0] // hd
+    c = torch.randn(hidden, generator=gen, device=dev)
+    c /= c.norm()
+    alpha, beta = 0.8, 0.6  # |alpha u + beta c| = 1: the normalised layer-0 input is sqrt(H) (alpha u + beta c)
     for lo in range(0, vocab, 8192):  # in chunks: no full-vocabulary fp32 copy at full size
-        u = torch.randn(min(8192, vocab - lo), hidden, generator=gen, device=embed.device)
-        u = u / u.norm(dim=-1, keepdim=True)
-        embed[lo : lo + len(u)] = (u * embed_rms * hidden**0.5).to(embed.dtype)
-        head[succ[lo : lo + len(u)]] = u.to(head.dtype)
-    return succ
+        u = torch.randn(min(8192, vocab - lo), hidden, generator=gen, device=dev)
+        u -= (u @ c)[:, None] * c
+        u /= u.norm(dim=-1, keepdim=True)
+        embed[lo : lo + len(u)] = (embed_rms * hidden**0.5 * (alpha * u + beta * c)).to(dt)
+    for norm in (target.decoder.layers[0].input_layernorm, target.decoder.norm, attn.q_norm, attn.k_norm):
+        norm.weight.fill_(1.0)
+    attn.q_norm.weight.fill_(gain)
+    attn.k_norm.weight.fill_(gain)
+    # q = q_vec, k = k_vec for every token (they read c only); z_q = 1, z_k = e^{i theta D} per frequency.
+    theta = target.decoder.rotary_emb.inv_freq.float().to(dev)[:COPY_FREQS]
+    q_vec, k_vec = torch.zeros(hd, device=dev), torch.zeros(hd, device=dev)
+    q_vec[:COPY_FREQS] = 1.0
+    k_vec[:COPY_FREQS] = torch.cos(theta * (offset - 1))
+    k_vec[hd // 2 : hd // 2 + COPY_FREQS] = torch.sin(theta * (offset - 1))
+    read_c = c[None, :] / (beta * hidden**0.5)
+    attn.q_proj.weight.copy_((q_vec.repeat(heads)[:, None] * read_c).to(dt))
+    attn.k_proj.weight.copy_((k_vec.repeat(kv_heads)[:, None] * read_c).to(dt))
+    w_v = torch.randn(kv_heads * hd, hidden, generator=gen, device=dev) / hidden**0.5
+    w_v -= (w_v @ c)[:, None] * c[None, :]  # values carry the token, not the shared part
+    w_o = torch.randn(hidden, heads * hd, generator=gen, device=dev) / (heads * hd) ** 0.5
+    # Each query head reads kv head h // rep (transformers' repeat_kv): o_proj of one kv head's value.
+    w_ov = w_o.view(hidden, kv_heads, heads // kv_heads, hd).sum(2).reshape(hidden, kv_heads * hd) @ w_v
+    sample = embed[:1024].float() / embed_rms
+    factor = 3.0 * embed_rms * hidden**0.5 / float((sample @ w_ov.T).norm(dim=-1).mean())
+    w_o *= factor
+    w_ov *= factor
+    attn.v_proj.weight.copy_(w_v.to(dt))
+    attn.o_proj.weight.copy_(w_o.to(dt))
+    for lo in range(0, vocab, 8192):
+        d = embed[lo : lo + 8192].float() / embed_rms @ w_ov.T  # the copied token's code in the residual
+        head[lo : lo + len(d)] = (d / d.norm(dim=-1, keepdim=True)).to(head.dtype)
+
+
+def copy_continuation(seq: list[int], offset: int, n: int) -> list[int]:
+    """The planted target's greedy continuation of `seq`: n tokens, each the one `offset` back."""
+    ext = list(seq[-offset:])
+    for _ in range(n):
+        ext.append(ext[-offset])
+    return ext[-n:] if n else []
 
 
 @torch.no_grad()
 def check_planted(
-    target: TargetModel, succ: torch.Tensor, seed: int, rows: int = 2, length: int = 64
+    target: TargetModel, seed: int, offset: int = COPY_OFFSET, rows: int = 2, extra: int = 48
 ) -> dict[str, Any]:
-    """One forward over random tokens: the share of positions whose greedy next token is succ[token]
-    and the smallest margin between the best and second-best logit."""
+    """One HF forward over random tokens: the share of positions with a source (i >= offset - 1)
+    whose greedy next token is the one offset back, and the smallest top-2 logit margin there."""
+    length = offset + extra
     gen = torch.Generator(device=target.device).manual_seed(seed)
     ids = torch.randint(0, target.vocab_size, (rows, length), generator=gen, device=target.device)
-    logits = target.hf_model(input_ids=ids).logits.float()
+    logits = target.hf_model(input_ids=ids).logits.float()[:, offset - 1 : -1]
     top = logits.topk(2, dim=-1)
     return {
-        "greedy_is_successor": float((top.indices[..., 0] == succ[ids]).float().mean()),
+        "rule": f"next token = the token {offset} positions back",
+        "greedy_is_copy": float((top.indices[..., 0] == ids[:, : length - offset]).float().mean()),
         "min_margin": float((top.values[..., 0] - top.values[..., 1]).min()),
     }
-
-
-def successor_chain(succ: torch.Tensor, depth: int) -> torch.Tensor:
-    """[V, depth]: row v holds succ(v), succ(succ(v)), ... (the oracle's drafts in one gather)."""
-    cols = [succ]
-    for _ in range(depth - 1):
-        cols.append(succ[cols[-1]])
-    return torch.stack(cols, dim=1)
 
 
 # -- the oracle --------------------------------------------------------------------------------
@@ -111,12 +157,18 @@ def expected_acceptance(tau: float, max_new_tokens: int, num_drafts: int) -> lis
 
 
 class OracleEngine(Engine):
-    """Runs the real drafter, then proposes the target's greedy continuation (a `successor_chain`
-    table) right for `accepted_at(tau, step)` slots and wrong after."""
+    """Runs the real drafter, then proposes the planted target's greedy continuation of each row
+    (`copy_continuation` of its prompt + output) right for `accepted_at(tau, step)` slots and
+    wrong after."""
 
-    def __init__(self, *args: Any, chain: torch.Tensor, tau: float = 1.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, tau: float = 1.0, offset: int = COPY_OFFSET, knows_confidence: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.chain = chain
+        self.offset = offset
+        # The adaptive policy drafts by the drafter's confidence, which a random drafter has none
+        # of: with knows_confidence the oracle reports 0.95 for its right slots and 0.05 after.
+        self.knows_confidence = knows_confidence
         self.set_tau(tau)
 
     def set_tau(self, tau: float) -> None:
@@ -128,13 +180,18 @@ class OracleEngine(Engine):
         self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
         draft = super()._propose(lo, rows, anchors, sampling, num_slots)  # the drafter's real cost
-        right = self.chain[anchors, :num_slots]
+        tails = [(row.prompt_ids + row.output_ids)[-self.offset :] for row in rows]  # output_ids[-1]: the anchor
+        right = torch.tensor([copy_continuation(t, self.offset, num_slots) for t in tails], device=anchors.device)
+        right = right.reshape(len(rows), num_slots)
         slots = torch.arange(num_slots, device=anchors.device)
         good = accepted_at(self.tau, self.proposals)
         self.proposals += 1
-        # succ is a permutation of [0, V): right + 1 (mod V) is never the right token.
         tokens = torch.where(slots[None, :] < good, right, (right + 1) % self.target.vocab_size)
-        return DraftResult(tokens, draft.token_probs, draft.draft_probs, draft.confidence, draft.logits)
+        confidence = draft.confidence
+        if self.knows_confidence and confidence is not None:
+            known = torch.where(slots < good, 0.95, 0.05).to(confidence.dtype)
+            confidence = known[None, : confidence.shape[1]].expand_as(confidence).contiguous()
+        return DraftResult(tokens, draft.token_probs, draft.draft_probs, confidence, draft.logits)
 
 
 # -- runs --------------------------------------------------------------------------------------
@@ -181,30 +238,30 @@ def decode(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> dic
     }
 
 
-def successor_match(prompts: list[list[int]], outputs: list[list[int]], succ: list[int]) -> float:
-    """Share of generated tokens that are succ[previous token] (1.0: the engine decoded greedily)."""
+def copy_match(prompts: list[list[int]], outputs: list[list[int]], offset: int = COPY_OFFSET) -> float:
+    """Share of generated tokens equal to the token `offset` back (1.0: the engine decoded greedily)."""
     hits = total = 0
     for prompt, toks in zip(prompts, outputs):
-        seq = prompt[-1:] + toks
-        hits += sum(succ[a] == b for a, b in zip(seq, seq[1:]))
+        seq = prompt + toks
+        hits += sum(seq[p] == seq[p - offset] for p in range(len(prompt), len(seq)))
         total += len(toks)
     return hits / max(total, 1)
 
 
 def timed_runs(
-    engine: Engine, prompts: list[list[int]], args: argparse.Namespace, succ: list[int], num_drafts: int
+    engine: Engine, prompts: list[list[int]], max_new_tokens: int, repeats: int, num_drafts: int
 ) -> dict[str, Any]:
-    """One warm-up decode, then the median of --repeats (tau, expected tau and output checks kept)."""
-    decode(engine, prompts, min(args.max_new_tokens, 2 * num_drafts + 2))  # warm-up: kernels, allocator
+    """One warm-up decode, then the median of `repeats` (tau, expected tau and output checks kept)."""
+    decode(engine, prompts, min(max_new_tokens, 2 * num_drafts + 2))  # warm-up: kernels, allocator
     runs = []
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         if isinstance(engine, OracleEngine):
             engine.set_tau(engine.tau)  # the schedule restarts with every run
-        runs.append(decode(engine, prompts, args.max_new_tokens))
+        runs.append(decode(engine, prompts, max_new_tokens))
     best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
     out = {k: v for k, v in best.items() if k not in ("tokens", "acceptance_lengths")}
     out["tokens_per_s_all"] = [r["tokens_per_s"] for r in runs]
-    out["successor_match"] = min(successor_match(prompts, r["tokens"], succ) for r in runs)
+    out["copy_match"] = min(copy_match(prompts, r["tokens"]) for r in runs)
     out["acceptance_lengths_row0"] = best["acceptance_lengths"][0]
     return out
 
@@ -216,7 +273,7 @@ def build_engine(
     variant: str,
     batch: int,
     max_model_len: int,
-    chain: torch.Tensor,
+    draft_policy: str = "fixed",
 ) -> Engine:
     static_shapes, cuda_graphs = common.VARIANTS[variant]
     shared: dict[str, Any] = {
@@ -228,22 +285,45 @@ def build_engine(
     if mode == "ar":
         return Engine(target, None, mode="ar", **shared)
     # fixed: every draft is verified (full blocks, as the published numbers); no n-gram copies.
-    return OracleEngine(target, drafter, mode=mode, draft_policy="fixed", ngram=False, chain=chain, **shared)
+    # adaptive: the policy sees the oracle's own confidence (right slots high, wrong ones low).
+    return OracleEngine(target, drafter, mode=mode, draft_policy=draft_policy, ngram=False,
+                        knows_confidence=draft_policy == "adaptive", **shared)  # fmt: skip
 
 
-def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Every engine at every batch size; `on_batch` gets the results so far after each batch size."""
+def measure(
+    engine: Engine,
+    prompts: list[list[int]],
+    tau: float,
+    max_new_tokens: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """One (engine, tau) record: tokens/s (median of `repeats`), step ms, tau measured / expected."""
+    num_drafts = engine.num_drafts if isinstance(engine, OracleEngine) else 0
+    if isinstance(engine, OracleEngine):
+        engine.set_tau(tau)
+    rec: dict[str, Any] = {"tau_target": tau, "capacity": engine.cache.capacity}
+    rec |= timed_runs(engine, prompts, max_new_tokens, repeats, num_drafts)
+    lengths = expected_acceptance(tau, max_new_tokens, num_drafts)
+    rec["tau_expected"] = sum(lengths) / max(len(lengths), 1)
+    return rec
+
+
+def build_planted(args: argparse.Namespace) -> tuple[TargetModel, Drafter, dict[str, Any], float]:
+    """The planted target, the drafter, the planted rule's check and the build seconds."""
     device, dtype = common.start(args)
     shapes = common.scaled_shapes(args.scale, args.layers_scale)
     t0 = time.perf_counter()
     target = common.build_target(shapes, dtype, device)
     drafter = common.build_drafter(shapes, dtype, device)
-    succ = plant_successor(target, args.seed, args.embed_rms)
-    planted = check_planted(target, succ, args.seed + 1)
-    num_drafts = drafter.config.num_drafts
-    chain = successor_chain(succ, num_drafts)
-    succ_list = succ.tolist()
-    build_s = time.perf_counter() - t0
+    plant_copy(target, args.seed, args.embed_rms)
+    planted = check_planted(target, args.seed + 1)
+    return target, drafter, planted, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every engine at every batch size; `on_batch` gets the results so far after each batch size."""
+    target, drafter, planted, build_s = build_planted(args)
+    device, dtype = target.device, target.dtype
     records: list[dict[str, Any]] = []
 
     def result(complete: bool) -> dict[str, Any]:
@@ -253,12 +333,11 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
             "complete": complete,
             "config": common.flags(args),
             "environment": env,
-            "shapes": shapes,
+            "shapes": common.scaled_shapes(args.scale, args.layers_scale),
             "records": records,
         }
 
     gen = torch.Generator().manual_seed(args.seed)
-    max_model_len = args.prompt_len + args.max_new_tokens
     with torch.inference_mode():
         for batch in args.batch_sizes:
             prompts = torch.randint(0, target.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
@@ -266,15 +345,11 @@ def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | N
                 for variant in args.variants:
                     # Engines are built and run one at a time: each sets the target's taps and the
                     # drafter's head flag for itself, and brings its own caches (and graphs).
-                    engine = build_engine(target, drafter, mode, variant, batch, max_model_len, chain)
+                    engine = build_engine(target, drafter, mode, variant, batch, args.max_model_len)
                     warmup = common.static_warmup(engine)
                     for tau in [1.0] if mode == "ar" else args.taus:
-                        if isinstance(engine, OracleEngine):
-                            engine.set_tau(tau)
-                        rec = {"batch": batch, "mode": mode, "variant": variant, "tau_target": tau, "warmup": warmup}
-                        rec |= timed_runs(engine, prompts, args, succ_list, num_drafts)
-                        lengths = expected_acceptance(tau, args.max_new_tokens, 0 if mode == "ar" else num_drafts)
-                        rec["tau_expected"] = sum(lengths) / max(len(lengths), 1)
+                        rec = {"batch": batch, "mode": mode, "variant": variant, "warmup": warmup}
+                        rec |= measure(engine, prompts, tau, args.max_new_tokens, args.repeats)
                         records.append(rec)
                     del engine
                     common.free_memory(device)
@@ -305,19 +380,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--taus", type=parse_floats, default=list(DEFAULT_TAUS), help="mean acceptance lengths")
     p.add_argument("--batch-sizes", type=common.parse_ints, default=[1, 4])
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="the engines' context limit: static-shape forwards attend over all of it (capacity = this + B + 2)",
+    )
     p.add_argument(
         "--variants",
         type=common.parse_names,
         default=["eager", "graph"],
         help=f"engine variants, of {','.join(common.VARIANTS)}",
     )
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--embed-rms", type=float, default=32.0, help="per-element RMS of the planted embeddings")
     common.add_output_args(p)
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.prompt_len < 1 or args.max_new_tokens < 2:
-        p.error("--repeats and --prompt-len must be >= 1, --max-new-tokens >= 2")
+    if args.repeats < 1 or args.prompt_len < COPY_OFFSET or args.max_new_tokens < 2:
+        p.error(
+            f"--repeats must be >= 1, --prompt-len >= {COPY_OFFSET} (the planted copy's offset), --max-new-tokens >= 2"
+        )
+    if args.prompt_len + args.max_new_tokens > args.max_model_len:
+        p.error("--prompt-len + --max-new-tokens must fit in --max-model-len")
     if not args.batch_sizes or min(args.batch_sizes) < 1 or not args.taus or min(args.taus) < 1:
         p.error("--batch-sizes need positive values and --taus values >= 1")
     unknown = set(args.variants) - set(common.VARIANTS)

@@ -1,4 +1,4 @@
-"""bench.gpu_e2e: the acceptance schedule, the planted target, and a short CPU run at 1/16 width."""
+"""bench.gpu_e2e: the acceptance schedule, the planted copy target, and a short CPU run at 1/16 width."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import torch
 
 from bench.common import build_target, scaled_shapes
 from bench.gpu_e2e import (
+    COPY_OFFSET,
     accepted_at,
     check_planted,
+    copy_continuation,
+    copy_match,
     expected_acceptance,
     main,
-    plant_successor,
-    successor_chain,
+    plant_copy,
 )
 
 
@@ -37,15 +39,29 @@ def test_expected_acceptance_cuts_the_last_steps_to_the_budget() -> None:
     assert expected_acceptance(4.0, 10, 0) == [1] * 9  # ar: no drafts
 
 
-def test_planted_target_is_greedy_successor() -> None:
-    target = build_target(scaled_shapes(16, 9), torch.float32, torch.device("cpu"))
-    succ = plant_successor(target, seed=3, embed_rms=32.0)
-    assert sorted(succ.tolist()) == list(range(target.vocab_size))  # a permutation
-    check = check_planted(target, succ, seed=4)
-    assert check["greedy_is_successor"] == 1.0 and check["min_margin"] > 1.0, check
-    chain = successor_chain(succ, 3)
-    v = 17
-    assert chain[v].tolist() == [int(succ[v]), int(succ[succ[v]]), int(succ[succ[succ[v]]])]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planted_target_copies_from_its_context(dtype: torch.dtype) -> None:
+    """The greedy next token is the one 32 positions back, with a wide margin, in bf16 too; and it
+    comes through attention: change that earlier token and the prediction follows it."""
+    target = build_target(scaled_shapes(16, 9), dtype, torch.device("cpu"))
+    plant_copy(target, seed=3, embed_rms=32.0)
+    check = check_planted(target, seed=4)
+    assert check["greedy_is_copy"] == 1.0 and check["min_margin"] > 1.0, check
+    ids = torch.randint(0, target.vocab_size, (1, COPY_OFFSET + 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = target.hf_model(input_ids=ids).logits[0, -1].argmax()
+        assert int(before) == int(ids[0, -COPY_OFFSET])
+        ids[0, -COPY_OFFSET] = (ids[0, -COPY_OFFSET] + 1) % target.vocab_size
+        after = target.hf_model(input_ids=ids).logits[0, -1].argmax()
+    assert int(after) == int(ids[0, -COPY_OFFSET]) != int(before)
+
+
+def test_copy_continuation_and_match() -> None:
+    seq = list(range(40))
+    assert copy_continuation(seq, 32, 3) == [8, 9, 10]
+    assert copy_continuation(list(range(4)), 4, 6) == [0, 1, 2, 3, 0, 1]  # past one period: periodic
+    prompt = list(range(32))
+    assert copy_match([prompt], [[0, 1, 2]]) == 1.0 and copy_match([prompt], [[0, 5]]) == 0.5
 
 
 def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
@@ -55,19 +71,20 @@ def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
     max_new = 24
     main(
         [
-            "--scale", "16", "--layers-scale", "9", "--device", "cpu", "--batch-sizes", "2", "--prompt-len", "6",
-            "--max-new-tokens", str(max_new), "--json", str(out_json), "--markdown", str(out_md),
+            "--scale", "16", "--layers-scale", "9", "--device", "cpu", "--batch-sizes", "2", "--prompt-len", "32",
+            "--max-new-tokens", str(max_new), "--max-model-len", "64", "--repeats", "1",
+            "--json", str(out_json), "--markdown", str(out_md),
         ]
     )  # fmt: skip
     result = json.loads(out_json.read_text())
-    assert result["complete"] and result["environment"]["planted"]["greedy_is_successor"] == 1.0
+    assert result["complete"] and result["environment"]["planted"]["greedy_is_copy"] == 1.0
     recs = result["records"]
     keys = {(r["mode"], r["variant"], r["tau_target"]) for r in recs}
     assert keys == {("ar", v, 1.0) for v in ("eager", "graph")} | {
         ("domino", v, t) for v in ("eager", "graph") for t in (1.0, 4.0, 7.17)
     }
     for r in recs:
-        assert r["successor_match"] == 1.0, r
+        assert r["copy_match"] == 1.0 and r["capacity"] >= 64, r
         num_drafts = 0 if r["mode"] == "ar" else 16
         assert r["acceptance_lengths_row0"] == expected_acceptance(r["tau_target"], max_new, num_drafts), r
         assert r["tau"] == pytest.approx(r["tau_expected"])

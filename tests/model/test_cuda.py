@@ -457,12 +457,13 @@ def test_gpu_e2e_runs_on_cuda(tmp_path: Path) -> None:
     main(
         [
             "--scale", "16", "--layers-scale", "4", "--device", "cuda", "--batch-sizes", "1,2",
-            "--prompt-len", "16", "--max-new-tokens", "40", "--json", str(out),
+            "--prompt-len", "32", "--max-new-tokens", "40", "--max-model-len", "128", "--repeats", "1",
+            "--json", str(out),
         ]
     )  # fmt: skip
     result = json.loads(out.read_text())
-    assert result["environment"]["planted"]["greedy_is_successor"] == 1.0
+    assert result["environment"]["planted"]["greedy_is_copy"] == 1.0
     for r in result["records"]:
-        assert r["successor_match"] == 1.0 and r["tau"] == pytest.approx(r["tau_expected"]), r
+        assert r["copy_match"] == 1.0 and r["tau"] == pytest.approx(r["tau_expected"]), r
         if r["variant"] == "graph":
             assert r["warmup"]["graphs"] > 0 and r["warmup"]["eager"] == 0, r
