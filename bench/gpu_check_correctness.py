@@ -21,7 +21,7 @@ import torch
 
 from bench import common
 from bench.gpu_check import Check
-from bench.gpu_e2e import COPY_OFFSET, OracleEngine, build_engine, copy_match
+from bench.gpu_e2e import COPY_OFFSET, build_engine, copy_match, oracle_of
 from model.engine import Engine, SamplingParams
 
 WIDTHS = (1, 4, 12, 17)
@@ -160,8 +160,8 @@ def greedy_identity(check: Check, target: Any, drafter: Any, requests: int, max_
     failures = []
     for mode, variant in (("ar", "eager"), ("ar", "graph"), ("domino", "eager"), ("domino", "graph")):
         engine = build_engine(target, drafter, mode, variant, 4, MAX_MODEL_LEN)
-        if isinstance(engine, OracleEngine):
-            engine.set_tau(4.0)  # multi-token verifies with rejections: rollback is exercised
+        if (oracle := oracle_of(engine)) is not None:
+            oracle.set_tau(4.0)  # multi-token verifies with rejections: rollback is exercised
         toks, seen = run_joining(engine, prompts, budgets)
         exact, ties, bad = 0, [], []
         for i, (p, t, r) in enumerate(zip(prompts, toks, refs)):

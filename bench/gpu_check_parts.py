@@ -29,7 +29,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 from bench import common
 from bench.gpu_check import Check, PartTimeout, Skip
-from bench.gpu_e2e import OracleEngine, build_engine, build_planted, measure
+from bench.gpu_e2e import build_engine, build_planted, measure, oracle_of
 from model.engine import Engine
 from model.sampling import SamplingBatch
 from model.static import StaticFunction, bucket_for, verify_widths
@@ -334,7 +334,7 @@ def part_e2e(check: Check) -> None:
                         extra |= {"bare_step_ms": bare, "host_ms_per_step": rec["step_ms"] - bare}
                     fell_back = warm is not None and device.type == "cuda" and warm["eager"] > 0
                     check.record("e2e", batch=batch, mode=mode, policy=policy, variant="graph", warmup=warm,
-                                 oracle=isinstance(engine, OracleEngine), fell_back_to_eager=fell_back,
+                                 oracle=oracle_of(engine) is not None, fell_back_to_eager=fell_back,
                                  clock="wall" if graphs else "wall_time_cpu", **rec, **extra)  # fmt: skip
                 del engine
                 common.free_memory(device)

@@ -65,7 +65,7 @@ DEFINITIONS = {
     "projection.domino.head_overhead": "head_ms / (backbone + draft_base + append + target_ms[B + 1])",
     "projection.<m>.speedup_graph": "tau * graph ar step_ms / graph <m> step_ms (variant graph)",
     "graph_vs_eager.verify_<T>": "Engine._target_verify of T tokens per row (T = 1: ar engine, T = W + 1: domino)",
-    "graph_vs_eager.propose_<m>": "Engine._propose of a full greedy block (backbone + draft; the static bucket)",
+    "graph_vs_eager.propose_<m>": "the proposer's full greedy block (backbone + draft; the static bucket)",
     "graph_vs_eager.step_<m>": "Engine.step() of the <m> engine, as engine.<m>.step_ms",
     "graph_vs_eager.head": "propose_domino - propose_dflash per variant: the head as the engine runs it",
     "static_capacity": "the cache capacity the static / graph engines of a row attend over, whatever its context",
@@ -158,7 +158,8 @@ def measure_calls(engine: Engine, batch: int, ctx: int, timed: Callable[[Callabl
     if engine.drafter is not None:
         anchors = torch.tensor([row.anchor for row in engine.rows], dtype=torch.long, device=engine.device)
         sampling = engine._sampling_batch(engine.rows, None)  # greedy rows: the static bucket's case
-        out["propose_ms"] = timed(partial(engine._propose, 0, engine.rows, anchors, sampling, engine.num_drafts))
+        propose = engine.proposer.propose
+        out["propose_ms"] = timed(partial(propose, 0, engine.rows, anchors, sampling, engine.num_drafts))
     return out
 
 

@@ -9,7 +9,7 @@ made to follow it for a scheduled number of slots:
   and the cache, not just the current token. The embedding rows are large (they dominate the
   residual stream, whatever the random layers add), so the margin is wide in bf16 too. Only weight
   values change: every layer still runs at full size, so costs are real;
-- oracle drafter (`OracleEngine`): the real drafter runs every step (its static-shape bucket /
+- oracle drafter (`OracleProposer`): the real drafter runs every step (its static-shape bucket /
   CUDA graph where the engine has one), then its drafts are replaced by the target's own greedy
   continuation of each row for the first a_s slots of step s and a wrong token after, with
   a_s = floor((s + 1)(tau - 1)) - floor(s (tau - 1)): acceptance length tau on average, exactly (a
@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,8 @@ import torch
 from bench import common
 from bench.report import e2e_markdown, run_and_report
 from model.drafter import Drafter, DraftResult
-from model.engine import Engine, Row, SamplingParams
+from model.engine import Engine, SamplingParams
+from model.proposers import DraftProposer, Row
 from model.sampling import SamplingBatch
 from model.target import TargetModel
 
@@ -156,16 +157,21 @@ def expected_acceptance(tau: float, max_new_tokens: int, num_drafts: int) -> lis
     return lengths
 
 
-class OracleEngine(Engine):
+class OracleProposer:
     """Runs the real drafter, then proposes the planted target's greedy continuation of each row
     (`copy_continuation` of its prompt + output) right for `accepted_at(tau, step)` slots and
-    wrong after."""
+    wrong after (a model.proposers.DraftProposer in the drafter's place)."""
 
     def __init__(
-        self, *args: Any, tau: float = 1.0, offset: int = COPY_OFFSET, knows_confidence: bool = False, **kwargs: Any
+        self,
+        inner: DraftProposer,
+        num_drafts: int,
+        vocab_size: int,
+        tau: float = 1.0,
+        offset: int = COPY_OFFSET,
+        knows_confidence: bool = False,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.offset = offset
+        self.inner, self.num_drafts, self.vocab_size, self.offset = inner, num_drafts, vocab_size, offset
         # The adaptive policy drafts by the drafter's confidence, which a random drafter has none
         # of: with knows_confidence the oracle reports 0.95 for its right slots and 0.05 after.
         self.knows_confidence = knows_confidence
@@ -176,22 +182,38 @@ class OracleEngine(Engine):
             raise ValueError(f"tau must be in [1, {self.num_drafts + 1}], got {tau}")
         self.tau, self.proposals = tau, 0
 
-    def _propose(
-        self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
+    def propose(
+        self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> DraftResult:
-        draft = super()._propose(lo, rows, anchors, sampling, num_slots)  # the drafter's real cost
+        draft = self.inner.propose(lo, rows, anchors, sampling, num_slots)  # the drafter's real cost
         tails = [(row.prompt_ids + row.output_ids)[-self.offset :] for row in rows]  # output_ids[-1]: the anchor
         right = torch.tensor([copy_continuation(t, self.offset, num_slots) for t in tails], device=anchors.device)
         right = right.reshape(len(rows), num_slots)
         slots = torch.arange(num_slots, device=anchors.device)
         good = accepted_at(self.tau, self.proposals)
         self.proposals += 1
-        tokens = torch.where(slots[None, :] < good, right, (right + 1) % self.target.vocab_size)
+        tokens = torch.where(slots[None, :] < good, right, (right + 1) % self.vocab_size)
         confidence = draft.confidence
         if self.knows_confidence and confidence is not None:
             known = torch.where(slots < good, 0.95, 0.05).to(confidence.dtype)
             confidence = known[None, : confidence.shape[1]].expand_as(confidence).contiguous()
         return DraftResult(tokens, draft.token_probs, draft.draft_probs, confidence, draft.logits)
+
+
+def oracle_engine(
+    target: TargetModel, drafter: Drafter, *, tau: float = 1.0, knows_confidence: bool = False, **config: Any
+) -> Engine:
+    """An engine whose drafts are the oracle's; the real drafter still runs (and is timed) inside."""
+    engine = Engine(target, drafter, **config)
+    assert engine.drafter_proposer is not None
+    engine.proposer = OracleProposer(
+        engine.drafter_proposer, engine.num_drafts, target.vocab_size, tau, knows_confidence=knows_confidence
+    )
+    return engine
+
+
+def oracle_of(engine: Engine) -> OracleProposer | None:
+    return engine.proposer if isinstance(engine.proposer, OracleProposer) else None
 
 
 # -- runs --------------------------------------------------------------------------------------
@@ -255,8 +277,8 @@ def timed_runs(
     decode(engine, prompts, min(max_new_tokens, 2 * num_drafts + 2))  # warm-up: kernels, allocator
     runs = []
     for _ in range(repeats):
-        if isinstance(engine, OracleEngine):
-            engine.set_tau(engine.tau)  # the schedule restarts with every run
+        if (oracle := oracle_of(engine)) is not None:
+            oracle.set_tau(oracle.tau)  # the schedule restarts with every run
         runs.append(decode(engine, prompts, max_new_tokens))
     best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
     out = {k: v for k, v in best.items() if k not in ("tokens", "acceptance_lengths")}
@@ -286,8 +308,11 @@ def build_engine(
         return Engine(target, None, mode="ar", **shared)
     # fixed: every draft is verified (full blocks, as the published numbers); no n-gram copies.
     # adaptive: the policy sees the oracle's own confidence (right slots high, wrong ones low).
-    return OracleEngine(target, drafter, mode=mode, draft_policy=draft_policy, ngram=False,
-                        knows_confidence=draft_policy == "adaptive", **shared)  # fmt: skip
+    assert drafter is not None
+    return oracle_engine(
+        target, drafter, mode=mode, draft_policy=draft_policy, ngram=False, knows_confidence=draft_policy == "adaptive",
+        **shared,
+    )  # fmt: skip
 
 
 def measure(
@@ -298,9 +323,10 @@ def measure(
     repeats: int,
 ) -> dict[str, Any]:
     """One (engine, tau) record: tokens/s (median of `repeats`), step ms, tau measured / expected."""
-    num_drafts = engine.num_drafts if isinstance(engine, OracleEngine) else 0
-    if isinstance(engine, OracleEngine):
-        engine.set_tau(tau)
+    oracle = oracle_of(engine)
+    num_drafts = engine.num_drafts if oracle is not None else 0
+    if oracle is not None:
+        oracle.set_tau(tau)
     rec: dict[str, Any] = {"tau_target": tau, "capacity": engine.cache.capacity}
     rec |= timed_runs(engine, prompts, max_new_tokens, repeats, num_drafts)
     lengths = expected_acceptance(tau, max_new_tokens, num_drafts)

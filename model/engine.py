@@ -23,7 +23,7 @@ import torch
 
 from model.config import EngineConfig
 from model.costs import NgramAcceptance, prior_curve_for
-from model.drafter import DraftContextCache, Drafter, DraftResult
+from model.drafter import DraftContextCache, Drafter
 from model.logits_processors import RowProcessor, new_row_processor, process_logits
 from model.ngram import NgramIndex
 from model.policy import DraftPolicy, StepChoice
@@ -589,13 +589,6 @@ class Engine:
         self._remove_rows(done)
         return outputs
 
-    def _propose(
-        self, lo: int, rows: list[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
-    ) -> DraftResult:
-        """The draft proposer's block (benchmarks' oracles still override this; tests set `proposer`)."""
-        assert self.proposer is not None
-        return self.proposer.propose(lo, rows, anchors, sampling, num_slots)
-
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
         """One speculative step for rows lo..hi-1: propose -> choose -> verify -> accept -> emit."""
@@ -661,10 +654,10 @@ class Engine:
         lo, rows, anchors, sampling = step.lo, step.rows, step.anchors, step.sampling
         if self.static is not None and lo == 0 and sampling.all_greedy:
             # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
-            draft = self._propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, step.d)
+            draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, step.d)
         else:
             rows_ab = sampling.rows(torch.arange(a, b, device=self.device))
-            draft = self._propose(lo + a, rows[a:b], anchors[a:b], rows_ab, step.d)
+            draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, step.d)
         self.draft_forwards += 1
         self.policy.costs.observe_draft(b - a, time.perf_counter() - t)
         return Proposals(plans, draft, span)

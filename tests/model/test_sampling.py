@@ -174,13 +174,16 @@ class ScheduledConfidence(Engine):
         self.schedule = schedule
         self.decode_steps = 0
         self.proposals: list[tuple[int, int]] = []  # (decode step, slots drafted) per drafter call
+        self.inner = self.drafter_proposer
+        self.proposer = self  # a DraftProposer: the drafter's drafts, the schedule's confidence
 
     def _decode(self, *args: Any, **kwargs: Any) -> Any:
         self.decode_steps += 1
         return super()._decode(*args, **kwargs)
 
-    def _propose(self, lo: int, rows: list, anchors: torch.Tensor, sampling: Any, num_slots: int) -> DraftResult:
-        draft = super()._propose(lo, rows, anchors, sampling, num_slots)
+    def propose(self, lo: int, rows: Any, anchors: torch.Tensor, sampling: Any, num_slots: int) -> DraftResult:
+        assert self.inner is not None
+        draft = self.inner.propose(lo, rows, anchors, sampling, num_slots)
         self.proposals.append((self.decode_steps, num_slots))
         conf = self.schedule(self.decode_steps, num_slots).to(draft.confidence)
         return dataclasses.replace(draft, confidence=conf.expand(len(rows), num_slots).clone())
