@@ -186,8 +186,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of fn(): CUDA events on CUDA, perf_counter around synchronised work elsewhere."""
+def sample_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of each of `repeats` calls of fn() after `warmup` calls: CUDA events on CUDA,
+    perf_counter around synchronised work elsewhere."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -205,7 +206,12 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: i
             fn()
             synchronize(device)
             samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return samples
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of fn() (sample_ms)."""
+    return statistics.median(sample_ms(fn, device, warmup, repeats))
 
 
 def free_memory(device: torch.device) -> None:

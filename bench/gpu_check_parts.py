@@ -147,38 +147,14 @@ def pinned(check: Check) -> Iterator[None]:
 
 
 def time_calls(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 3) -> dict[str, Any]:
-    """Per-call ms of fn(): CUDA events around each call on CUDA, perf_counter elsewhere."""
-    for _ in range(warmup):
-        fn()
-    common.synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
+    """Per-call ms of fn() (common.sample_ms): median, p10 and p90."""
+    samples = common.sample_ms(fn, device, warmup, repeats)
     samples.sort()
 
     def q(p: float) -> float:
         return samples[min(len(samples) - 1, round(p * (len(samples) - 1)))]
 
     return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "n": len(samples), "clock": clock(device)}
-
-
-def greedy(rows: int, device: torch.device) -> SamplingBatch:
-    return SamplingBatch(
-        temperature=torch.zeros(rows, device=device),
-        top_p=torch.ones(rows, device=device),
-        top_k=torch.zeros(rows, dtype=torch.long, device=device),
-        host_all_greedy=True,
-    )
 
 
 # -- parts -------------------------------------------------------------------------------------
@@ -281,7 +257,8 @@ def time_proposals(check: Check, engine: Engine, rb: int, graphs: bool, base: di
                            **base, **time_calls(lambda fn=fn: fn(anchors), device, repeats))  # fmt: skip
         ms[head] = rec["median_ms"]
         if rb == 1:
-            eager = partial(proposer.draft_block, 0, anchors, greedy(rb, device), engine.num_drafts)
+            greedy = SamplingBatch.all_greedy_rows(rb, device)
+            eager = partial(proposer.draft_block, 0, anchors, greedy, engine.num_drafts)
             check.record("propose", batch=rb, head=head, variant="eager", **base, **time_calls(eager, device, repeats))
         del fn
     proposer.use_head = True

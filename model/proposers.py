@@ -81,13 +81,7 @@ class DrafterProposer:
 
     def static_block(self, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Greedy drafts of a full block for slots 0..R-1 with fixed shapes (the static bucket's body)."""
-        r, dev = anchors.shape[0], anchors.device
-        greedy = SamplingBatch(
-            temperature=torch.zeros(r, device=dev),
-            top_p=torch.ones(r, device=dev),
-            top_k=torch.zeros(r, dtype=torch.long, device=dev),
-            host_all_greedy=True,
-        )
+        greedy = SamplingBatch.all_greedy_rows(anchors.shape[0], anchors.device)
         draft = self.draft_block(0, anchors, greedy, self.num_drafts, static=True)
         return draft.tokens, draft.token_probs, draft.confidence
 

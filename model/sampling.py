@@ -23,6 +23,16 @@ class SamplingBatch:
     # CUDA graph cannot contain one, and eagerly it stalls the launch queue).
     host_all_greedy: bool | None = None
 
+    @classmethod
+    def all_greedy_rows(cls, rows: int, device: torch.device | str) -> SamplingBatch:
+        """R greedy rows, known greedy on the host (the static buckets' and benchmarks' case)."""
+        return cls(
+            temperature=torch.zeros(rows, device=device),
+            top_p=torch.ones(rows, device=device),
+            top_k=torch.zeros(rows, dtype=torch.long, device=device),
+            host_all_greedy=True,
+        )
+
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature <= 0
