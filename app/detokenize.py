@@ -17,7 +17,7 @@ from app.events import LogprobEntry, SequenceSpec, TokenText
 from app.partial import partial_tag_length
 
 if TYPE_CHECKING:
-    from model.requests import RequestOutput
+    from model.engine.requests import RequestOutput
 
 REPLACEMENT = "\ufffd"
 # Tokens of prompt context decoded with the window so tokenizers whose decoding depends on the

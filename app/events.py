@@ -3,7 +3,7 @@ response is made of (`SequenceSpec`), what each step produced for one of them, a
 (`SeqEvent`), and how a token shows in logprobs (`TokenText`, `LogprobEntry`).
 
 Everything on the wire side (protocol, errors, detokenizing, the serving layer) reads these without
-importing the engine; the engine's own request types are model/requests.py, torch-free too.
+importing the engine; the engine's own request types are model/engine/requests.py, torch-free too.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model.requests import RequestStats, SamplingParams
+from model.engine.requests import RequestStats, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ that only concern billing or tracing (`IGNORED_FIELDS`) are accepted and ignored
 on the deployment (n, stop counts, context length) are checked in the routes against the settings.
 
 One file for the whole wire format, as vLLM keeps its protocol.py: it is declarations and field
-validation only, and one place to read is worth more than its length (over 400 lines).
+validation only, and one place to read is worth more than its length (over 700 lines).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from app.nesting import MAX_JSON_DEPTH, json_depth
-from model.requests import SamplingParams
+from model.engine.requests import SamplingParams
 
 MAX_LOGPROBS = 5  # top alternatives per token, as OpenAI allows for completions
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -165,7 +165,7 @@ class SamplingFields(IgnoredFields):
             raise ValueError("only allowed when stream is true")
         return value
 
-    # Logits processors (model/logits_processors.py), exact under speculation.
+    # Logits processors (model/engine/logits_processors.py), exact under speculation.
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's, over the generated tokens")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's, over the generated tokens")
     logit_bias: dict[str, float] | None = Field(
@@ -420,7 +420,7 @@ class ChatCompletionRequest(SamplingFields):
     # Only the switches the served template reads are passed on (Service.check_template_kwargs).
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
     response_format: ResponseFormat | None = Field(
-        None, description="text, json_object or json_schema: enforced by constrained decoding (model/grammar.py)"
+        None, description="text, json_object or json_schema: enforced by constrained decoding (model/engine/grammar.py)"
     )
     functions: list[Any] | None = _unsupported("deprecated by OpenAI and not supported: use tools")
     function_call: str | dict[str, Any] | None = _unsupported("deprecated by OpenAI and not supported: use tool_choice")

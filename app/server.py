@@ -26,10 +26,10 @@ from app.routes import chat, completions, models, ops
 from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
-from model.config import EngineConfig
+from model.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from model.engine import Engine
+    from model.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def engine_config(settings: Settings) -> EngineConfig:
 
 def load_engine(settings: Settings) -> tuple[Engine, Any]:
     """Build the engine from settings, logging what was loaded and where."""
-    from model.loading import build_engine, resolve_device
+    from model.load.loading import build_engine, resolve_device
 
     device = resolve_device(settings.device)
     log.info(

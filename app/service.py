@@ -20,8 +20,8 @@ from app.settings import Settings
 from app.worker import EngineWorker, Overloaded, RequestHandle, Unavailable
 
 if TYPE_CHECKING:
-    from model.engine import Engine
-    from model.grammar import Grammar
+    from model.engine.engine import Engine
+    from model.engine.grammar import Grammar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Such a template (SmolLM2's, the embedded default) never shows the model the request's tools, so no
 tool call could ever come back. Here the tools are described in a system-prompt block in the
-Hermes format that app/tool_parser.py reads and model/grammar.py enforces: the signatures between
+Hermes format that app/tool_parser.py reads and model/engine/grammar.py enforces: the signatures between
 `<tools>` tags, one JSON object a line, and the `<tool_call>` format a call must use. Past calls
 and their results in the history become text in the same format, since the template would drop
 them. `POST /tokenize` with the same messages and tools shows the prompt exactly as the model sees it.

@@ -25,8 +25,8 @@ from typing import Any
 from app.detokenize import OutputProcessor, TokenTexts
 from app.events import SeqEvent, SequenceSpec
 from app.metrics import Metrics
-from model.engine import Engine
-from model.requests import RequestOutput, RequestStats
+from model.engine.engine import Engine
+from model.engine.requests import RequestOutput, RequestStats
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from bench.report import save_result
-from model.checkpoint import load_drafter
-from model.drafter import Drafter
-from model.engine import Engine
-from model.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, eos_token_ids, load_target, resolve_dtype
-from model.prompts import load_prompt_file
-from model.requests import SamplingParams
-from model.target import TargetModel
+from model.engine.engine import Engine
+from model.engine.requests import SamplingParams
+from model.load.checkpoint import load_drafter
+from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, eos_token_ids, load_target, resolve_dtype
+from model.load.prompts import load_prompt_file
+from model.nn.drafter import Drafter
+from model.nn.target import TargetModel
 
 
 @dataclass

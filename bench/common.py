@@ -23,9 +23,9 @@ import torch
 import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
-from model.engine import Engine
-from model.target import TargetModel
+from model.engine.engine import Engine
+from model.nn.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from model.nn.target import TargetModel
 
 REPO = Path(__file__).resolve().parent.parent
 

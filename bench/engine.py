@@ -24,10 +24,9 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from model.checkpoint import load_drafter
-from model.drafter import Drafter
-from model.engine import Engine, SamplingParams
-from model.loading import (
+from model.engine.engine import Engine, SamplingParams
+from model.load.checkpoint import load_drafter
+from model.load.loading import (
     DEFAULT_DFLASH_DRAFTER_DIR,
     DEFAULT_DRAFTER_DIR,
     DEFAULT_TARGET,
@@ -35,8 +34,9 @@ from model.loading import (
     load_target,
     resolve_dtype,
 )
-from model.prompts import load_prompt_file
-from model.target import TargetModel
+from model.load.prompts import load_prompt_file
+from model.nn.drafter import Drafter
+from model.nn.target import TargetModel
 
 ALL_MODES = ("hf-generate", "hf-prompt-lookup", "ar", "ngram", "dflash", "domino", "domino-head-off")
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_drafts = {m: e.max_drafts_per_step for m, e in engines.items()}
     grammars: dict[str, TimedGrammar] = {}
     if args.json_mode:
-        from model.grammar import GrammarCompiler
+        from model.engine.grammar import GrammarCompiler
 
         compiler = GrammarCompiler(tokenizer, target.vocab_size, sorted(eos))
         grammars = {m: TimedGrammar(compiler.json_object()) for m in modes}

@@ -22,7 +22,7 @@ import torch
 from bench import common
 from bench.gpu_check import Check
 from bench.gpu_e2e import COPY_OFFSET, build_engine, copy_match, oracle_of
-from model.engine import Engine, SamplingParams
+from model.engine.engine import Engine, SamplingParams
 
 WIDTHS = (1, 4, 12, 17)
 PROMPT_LENS = (40, 57, 33, 90, 64, 35)

@@ -30,10 +30,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 from bench import common
 from bench.gpu_check import Check, PartTimeout, Skip
 from bench.gpu_e2e import build_engine, build_planted, measure, oracle_of
-from model.engine import Engine
-from model.sampling import SamplingBatch
-from model.static import StaticFunction, bucket_for, verify_widths
-from model.target import cache_argument
+from model.engine.engine import Engine
+from model.engine.sampling import SamplingBatch
+from model.engine.static import StaticFunction, bucket_for, verify_widths
+from model.nn.target import cache_argument
 
 # Sizes per device type; the CLI's --capacities etc. override them. The CPU ones only check that
 # everything runs (at --scale 16): CPU figures are wall times, never GPU figures.
@@ -90,7 +90,7 @@ def memory(device: torch.device) -> dict[str, float]:
 
 def sdpa_choices(device: torch.device, dtype: torch.dtype, capacity: int) -> dict[str, str]:
     """The backend SDPA picks for the target's two verify shapes at this capacity: T = 1 (transformers'
-    path, keys repeated per head, a mask) and T = 17 folded per kv head (model/attention.py)."""
+    path, keys repeated per head, a mask) and T = 17 folded per kv head (model/nn/attention.py)."""
     from torch.nn.attention import SDPBackend
 
     names = {int(getattr(SDPBackend, n).value): n for n in dir(SDPBackend) if n.isupper()}
@@ -184,7 +184,7 @@ def part_env(check: Check) -> None:
         device_name=common.device_name(device),
         dtype=str(dtype).removeprefix("torch."),
         cpu_threads=torch.get_num_threads(),
-        # The keyword model/target.py passes the cache under (inspected on this transformers).
+        # The keyword model/nn/target.py passes the cache under (inspected on this transformers).
         cache_kwarg=cache_argument(Qwen3Model.forward),
     )
     if device.type == "cuda":

@@ -42,10 +42,10 @@ import torch
 
 from bench import common
 from bench.report import costs_markdown, run_and_report
-from model.drafter import DraftContextCache, Drafter, count_parameters
-from model.engine import Engine, SamplingParams
-from model.sampling import SamplingBatch
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.sampling import SamplingBatch
+from model.nn.drafter import Drafter, count_parameters, new_context_cache
+from model.nn.target import TargetModel
 
 PUBLISHED = {
     "source": "Domino paper, Qwen3-8B, Transformers backend, batch 1, A100, T = 0",
@@ -103,7 +103,7 @@ def measure_forwards(
     capacity = max(contexts) + max(max(tokens), b + 1) + 1
     target.set_taps(cfg.target_layer_ids)
     cache = target.new_cache(batch, capacity)
-    dcache = DraftContextCache(cfg, batch, capacity, target.dtype, device)
+    dcache = new_context_cache(cfg, batch, capacity, target.dtype, device)
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = target.vocab_size
     timed = partial(common.time_ms, device=device, warmup=warmup, repeats=repeats)

@@ -39,11 +39,11 @@ import torch
 
 from bench import common
 from bench.report import e2e_markdown, run_and_report
-from model.drafter import Drafter, DraftResult
-from model.engine import Engine, SamplingParams
-from model.proposers import DraftProposer, Row
-from model.sampling import SamplingBatch
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.proposers import DraftProposer, Row
+from model.engine.sampling import SamplingBatch
+from model.nn.drafter import Drafter, DraftResult
+from model.nn.target import TargetModel
 
 DEFAULT_TAUS = (1.0, 4.0, 7.17)  # no acceptance, a middling drafter, the published Domino tau
 
@@ -160,7 +160,7 @@ def expected_acceptance(tau: float, max_new_tokens: int, num_drafts: int) -> lis
 class OracleProposer:
     """Runs the real drafter, then proposes the planted target's greedy continuation of each row
     (`copy_continuation` of its prompt + output) right for `accepted_at(tau, step)` slots and
-    wrong after (a model.proposers.DraftProposer in the drafter's place)."""
+    wrong after (a model.engine.proposers.DraftProposer in the drafter's place)."""
 
     def __init__(
         self,

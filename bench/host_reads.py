@@ -127,7 +127,7 @@ def classify(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: t
 
 
 def call_site() -> str:
-    """The first caller outside torch and this module: "model/engine.py:645 _decode"."""
+    """The first caller outside torch and this module: "model/engine/engine.py:645 _decode"."""
     frame = sys._getframe(2)
     skip = (__file__, warnings.__file__)
     while frame is not None and (frame.f_code.co_filename.startswith(TORCH_DIR) or frame.f_code.co_filename in skip):

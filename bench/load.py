@@ -97,7 +97,7 @@ class PromptItem:
 
 
 def load_prompts(path: Path) -> list[PromptItem]:
-    """The prompt JSONL of model/prompts.py's load_prompt_file, kept as text for the server to tokenize."""
+    """The prompt JSONL of model/load/prompts.py's load_prompt_file, kept as text for the server to tokenize."""
     items = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

@@ -46,9 +46,9 @@ SOURCES: dict[str, Any] = {
     "engine_reference": {"ShareGPT test half": "hf-generate", "HumanEval": "hf-prompt-lookup"},
     "engine_machine": "round 19: 2-core Intel Xeon (AVX-512 BF16, AMX)",
     # Test-slice evaluations (fp32).
-    "shipped_domino_eval": Path("models/smollm2-135m-domino/eval.json"),
-    "pair_domino_eval": Path("models/train_logs/smollm2-135m-domino-pair19-block8-stage2/eval.json"),
-    "pair_dflash_eval": Path("models/train_logs/smollm2-135m-dflash-pair19-block8-stage2/eval.json"),
+    "shipped_domino_eval": Path("drafters/smollm2-135m-domino/eval.json"),
+    "pair_domino_eval": Path("drafters/train_logs/smollm2-135m-domino-pair19-block8-stage2/eval.json"),
+    "pair_dflash_eval": Path("drafters/train_logs/smollm2-135m-dflash-pair19-block8-stage2/eval.json"),
     # bench.load --compare outputs, one per ABAB repetition.
     "serving_domino_vs_ar": [
         RESULTS / "load_domino_vs_ar_1_round19.json",

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from model.loading import DEFAULT_TARGET, build_engine
-from model.prompts import load_prompt_file
-from model.requests import SamplingParams
+from model.engine.requests import SamplingParams
+from model.load.loading import DEFAULT_TARGET, build_engine
+from model.load.prompts import load_prompt_file
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 
 The engine runs over a tiny random model (bench/common.py's `TINY`: a 2-layer, 64-wide Qwen3 target;
 for dflash/domino a 2-layer drafter) with static shapes on, so a step's model work runs inside the
-bucket functions of model/static.py (CUDA graphs on a GPU, the same functions eagerly on the CPU),
+bucket functions of model/engine/static.py (CUDA graphs on a GPU, the same functions eagerly on the CPU),
 and whatever else the step does is host overhead: the policy, assembling drafts, acceptance, the
 eager drafter of sampled rows, padding into the buckets and copying into their buffers, emitting.
 
@@ -52,12 +52,12 @@ from bench import common
 from bench.host_reads import Excluded, ReadCounter, cuda_sync_log
 from bench.report import write_reports
 from bench.step_overhead_report import COUNTS, Samples, markdown, summarize
-from model.config import EngineConfig
-from model.drafter import Drafter
-from model.engine import Engine
-from model.requests import RequestOutput, SamplingParams
-from model.static import StaticFunction
-from model.target import TargetModel
+from model.engine.config import EngineConfig
+from model.engine.engine import Engine
+from model.engine.requests import RequestOutput, SamplingParams
+from model.engine.static import StaticFunction
+from model.nn.drafter import Drafter
+from model.nn.target import TargetModel
 
 MODES = ("ar", "ngram", "dflash", "domino")
 SAMPLINGS = {"greedy": 0.0, "sampled": 1.0}
@@ -173,7 +173,7 @@ def _timed_run(run: Callable[[torch.Tensor], Any], probe: Probe, kind: str) -> C
 
 
 def install_probe(engine: Engine, probe: Probe) -> None:
-    """Wrap the engine's own static steps (on the instances: model/static.py is not touched): the
+    """Wrap the engine's own static steps (on the instances: model/engine/static.py is not touched): the
     captured part of every bucket, and run_verify / run_propose around them (the engine verifies
     through `engine.static`, its drafter proposer drafts through the same instance)."""
     steps = engine.static

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from bench.report import save_result
-from model.loading import DEFAULT_TARGET, DTYPES, cpu_has_native_bf16, load_target
-from model.target import TargetModel
+from model.load.loading import DEFAULT_TARGET, DTYPES, cpu_has_native_bf16, load_target
+from model.nn.target import TargetModel
 
 
 def time_forwards(

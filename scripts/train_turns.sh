@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 BUDGET_S=${BUDGET_S:-7200}   # wall-time budget; warm-up, cosine and λ follow it
 RUN=${RUN:-runs/turns}
-INIT=${INIT:-models/smollm2-135m-domino}
+INIT=${INIT:-drafters/smollm2-135m-domino}
 LR=${LR:-3e-4}
 DISTILL=${DISTILL:-0.5}   # weight of the soft labels (0: hard labels only)
 GAMMA=${GAMMA:-}          # per-slot loss decay; empty: fit's default (0.45·B)
@@ -58,4 +58,4 @@ $PY -m train fit --data $FIRST,$TURNS --stored-only --init-from "$INIT" --block-
   ${GAMMA:+--gamma "$GAMMA"} ${RANK:+--rank "$RANK"} ${LAYERS:+--layers "$LAYERS"} --out "$RUN/drafter" --run-dir "$RUN/state" >> "$RUN/fit.log" 2>&1
 wait $features
 $PY -m train eval --drafter "$RUN/drafter" --modes domino,dflash --slice test --json "$RUN/drafter/eval.json"
-echo "compare $RUN/drafter/eval.json with models/smollm2-135m-domino/eval.json; copy if better"
+echo "compare $RUN/drafter/eval.json with drafters/smollm2-135m-domino/eval.json; copy if better"

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from model.drafter import Drafter, DrafterConfig
+from model.nn.drafter import Drafter, DrafterConfig
 
 
 def tiny_target(

@@ -150,10 +150,18 @@ def model_imports(module: Path) -> set[str]:
 def test_the_default_model_layer_copies_every_module_it_imports() -> None:
     ins = dockerfile()
     step = index_of(ins, "RUN", r"docker/install\.sh default-model /opt/venv\b")
-    copied = {p for x in ins[:step] if x.op == "COPY" for p in x.args.split()[:-1]}
-    needed = {"model/__init__.py", "model/default_model.py"}
-    needed |= {m.replace(".", "/") + ".py" for m in model_imports(REPO_ROOT / "model" / "default_model.py")}
-    assert needed <= copied, f"the default-model step would not find {sorted(needed - copied)}"
+    # Where each file lands (COPY a/b.py c/d.py dest/ puts both in dest/): a module copied to the
+    # wrong folder is not found either.
+    landed = set()
+    for x in ins[:step]:
+        if x.op == "COPY":
+            *sources, dest = x.args.split()
+            landed |= {dest.rstrip("/") + "/" + Path(s).name for s in sources}
+    modules = {"model.load.default_model"} | model_imports(REPO_ROOT / "model" / "load" / "default_model.py")
+    needed = {m.replace(".", "/") + ".py" for m in modules}
+    needed |= {str(Path(p).parent / "__init__.py") for p in needed}  # every package on the way
+    needed |= {str(Path(p).parent.parent / "__init__.py") for p in needed if Path(p).parent.parent != Path(".")}
+    assert needed <= landed, f"the default-model step would not find {sorted(needed - landed)}"
 
 
 def test_runtime_contract() -> None:
@@ -216,7 +224,7 @@ def test_no_secrets_in_the_image() -> None:
     lines = (REPO_ROOT / ".dockerignore").read_text().splitlines()
     ignored = {x.strip() for x in lines if x.strip() and not x.lstrip().startswith("#")}
     assert {".git", ".venv", ".env", ".env.*"} <= ignored
-    assert "models" not in ignored and "models/" not in ignored  # shipped drafters go into the image
+    assert "drafters" not in ignored and "drafters/" not in ignored  # shipped drafters go into the image
 
 
 # -- the same steps outside Docker -----------------------------------------------------------------

@@ -65,7 +65,7 @@ def test_serving_code_imports_no_dev_tools_and_no_trainer() -> None:
 @pytest.mark.slow
 def test_wheel_install_finds_shipped_drafters(tmp_path: Path) -> None:
     """A wheel (not editable) installed into a fresh venv, run away from the checkout, serves the
-    embedded default's drafters from <prefix>/share/domino-serve/models."""
+    embedded default's drafters from <prefix>/share/domino-serve/drafters."""
     wheels = tmp_path / "wheels"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV", "DOMINO_"))}
     env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
@@ -104,8 +104,8 @@ def test_wheel_install_finds_shipped_drafters(tmp_path: Path) -> None:
     run_env = {**env, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
     code = """
 import sys
-from model.loading import DEFAULT_DRAFTER_DIR, DEFAULT_DFLASH_DRAFTER_DIR
-from model.checkpoint import load_drafter
+from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_DFLASH_DRAFTER_DIR
+from model.load.checkpoint import load_drafter
 for path in (DEFAULT_DRAFTER_DIR, DEFAULT_DFLASH_DRAFTER_DIR):
     assert str(path).startswith(sys.prefix), (path, sys.prefix)
     print(path, load_drafter(path).config.block_size)
@@ -122,11 +122,11 @@ print(model.__file__)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(venv) in proc.stdout.splitlines()[-1]  # the installed copy, not the checkout
-    assert proc.stdout.count("share/domino-serve/models/smollm2-135m-") == 2
+    assert proc.stdout.count("share/domino-serve/drafters/smollm2-135m-") == 2
 
 
 # The wire side: what the worker hands results through, and everything that only reads requests
-# and events. None of it may pull in torch or the engine (model/requests.py is the torch-free half).
+# and events. None of it may pull in torch or the engine (model/engine/requests.py is the torch-free half).
 WIRE_SIDE = (
     "app.events",
     "app.protocol",
@@ -141,7 +141,7 @@ WIRE_SIDE = (
     "app.nesting",
     "app.middleware",
     "app.settings",
-    "model.requests",
+    "model.engine.requests",
 )
 
 
@@ -151,8 +151,8 @@ def test_wire_side_types_import_no_torch_and_no_engine() -> None:
         f"for name in {WIRE_SIDE!r}:\n"
         "    __import__(name)\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')} | "
-        "{m for m in sys.modules if m in ('model.engine', 'model.target', 'model.drafter', 'model.grammar', "
-        "'app.worker')})\n"
+        "{m for m in sys.modules if m in ('model.engine.engine', 'model.nn.target', 'model.nn.drafter', "
+        "'model.engine.grammar', 'app.worker')})\n"
         "print(heavy)\n"
         "assert not heavy, heavy\n"
     )
@@ -174,9 +174,9 @@ def _module_imports(path: Path) -> set[str]:
     return names
 
 
-def test_no_import_cycles_in_app_and_model() -> None:
+def test_no_import_cycles() -> None:
     modules: dict[str, Path] = {}
-    for package in ("app", "model"):
+    for package in ("app", "model", "train", "bench"):
         for path in (REPO_ROOT / package).rglob("*.py"):
             parts = path.relative_to(REPO_ROOT).with_suffix("").parts
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path

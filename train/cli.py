@@ -1,5 +1,5 @@
 """`domino-train`: regenerate answers (`gen`), store target features (`features`), train a drafter
-(`fit`), measure it (`eval`). See docs/design.md, "Training"."""
+(`fit`), measure it (`eval`). See docs/design.md §1.5."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from model.loading import eos_token_ids, load_target, resolve_device, resolve_dtype
-from model.target import TargetModel
+from model.load.loading import eos_token_ids, load_target, resolve_device, resolve_dtype
+from model.nn.target import TargetModel
 from train.config import DataConfig, DrafterSpec, FitConfig, GenConfig
 from train.init import DEFAULT_BLOCK_SIZE
 
@@ -45,8 +45,8 @@ def fit_cmd(args: argparse.Namespace) -> None:
 
 
 def eval_cmd(args: argparse.Namespace) -> None:
-    from model.checkpoint import load_drafter
-    from model.prompts import load_prompt_file
+    from model.load.checkpoint import load_drafter
+    from model.load.prompts import load_prompt_file
     from train.evaluate import evaluate, heldout_slice
 
     device = resolve_device(args.device)
@@ -66,7 +66,7 @@ def walk_cmd(args: argparse.Namespace) -> None:
     """A drafter's offline τ on the validation samples fit holds out (the last `--val-samples` of
     the first shard, stored features needed), as the engine's walk and, with `--stride`, at fixed
     anchors."""
-    from model.checkpoint import load_drafter
+    from model.load.checkpoint import load_drafter
     from train.evaluate import offline_walk
     from train.samples import TrainingData
 
@@ -87,7 +87,7 @@ def walk_cmd(args: argparse.Namespace) -> None:
 
 
 def average_cmd(args: argparse.Namespace) -> None:
-    from model.checkpoint import load_drafter, save_drafter
+    from model.load.checkpoint import load_drafter, save_drafter
     from train.init import average_drafters
 
     paths = args.drafters.split(",")

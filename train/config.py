@@ -49,7 +49,7 @@ class DrafterSpec:
     init_from: str | None = None
     layers: int | None = None  # None: train.init.DEFAULT_LAYERS (with init_from: deepen to this)
     block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE (with init_from: re-block)
-    taps: list[int] | None = None  # None: the design notes' rule (model.drafter.default_target_layer_ids)
+    taps: list[int] | None = None  # None: the design notes' rule (model.nn.drafter.default_target_layer_ids)
     gru_size: int = 256
     rank: int | None = None  # None: DEFAULT_RANK (with init_from: widen the head)
     head: bool = True  # False: the plain DFlash baseline

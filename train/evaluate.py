@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from model.drafter import Drafter
-from model.engine import Engine, SamplingParams
-from model.sampling import SamplingBatch
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.sampling import SamplingBatch
+from model.nn.drafter import Drafter
+from model.nn.target import TargetModel
 
 HELDOUT_SLICES = ("validation", "test", "all")
 

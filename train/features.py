@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model.target import TargetModel
-from model.wheels import default_cache_dir
+from model.load.wheels import default_cache_dir
+from model.nn.target import TargetModel
 from train.shards import read_shard, shard_path, shard_paths
 
 log = logging.getLogger("domino.train.features")

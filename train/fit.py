@@ -26,10 +26,10 @@ from typing import IO, Any
 import torch
 from tqdm import tqdm
 
-from model.checkpoint import load_drafter, save_drafter
-from model.drafter import Drafter, DrafterConfig, head_parameters
-from model.loading import cpu_has_native_bf16, load_target, resolve_device
-from model.target import TargetModel
+from model.load.checkpoint import load_drafter, save_drafter
+from model.load.loading import cpu_has_native_bf16, load_target, resolve_device
+from model.nn.drafter import Drafter, DrafterConfig, head_parameters
+from model.nn.target import TargetModel
 from train.config import DrafterSpec, FitConfig
 from train.evaluate import offline_walk
 from train.init import (

@@ -15,10 +15,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from model.engine import Engine, SamplingParams
-from model.loading import chat_prompt_ids, eos_token_ids, load_target, resolve_device, resolve_dtype
-from model.prompts import load_prompt_file
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.load.loading import chat_prompt_ids, eos_token_ids, load_target, resolve_device, resolve_dtype
+from model.load.prompts import load_prompt_file
+from model.nn.target import TargetModel
 from train.config import GenConfig
 from train.data import load_sharegpt_later_turns, load_sharegpt_prompts, split_sharegpt
 from train.shards import shard_path

@@ -6,8 +6,8 @@ import copy
 
 import torch
 
-from model.drafter import Drafter, DrafterConfig, default_target_layer_ids
-from model.target import TargetModel
+from model.nn.drafter import Drafter, DrafterConfig, default_target_layer_ids
+from model.nn.target import TargetModel
 from train.config import DrafterSpec
 
 DEFAULT_BLOCK_SIZE = 8  # a new drafter's block when --block-size is not given

@@ -1,4 +1,4 @@
-"""The training objective (docs/design.md, "Training") and its schedules.
+"""The training objective (docs/design.md §1.5) and its schedules.
 
 Every block `[x_a, MASK...]` sees the context features of positions < a and itself (blocks never
 see each other); slot j's label is x_{a+1+j} (shift_label) or x_{a+j}; the Domino head is
@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from model.drafter import Drafter
+from model.nn.drafter import Drafter
 
 
 def lambda_schedule(progress: float, until: float = 0.5) -> float:

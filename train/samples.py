@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from model.target import TargetModel
+from model.nn.target import TargetModel
 from train.config import DataConfig
 from train.features import ShardFeatures, compute_features, features_root, shard_features_dir, store_features
 from train.shards import read_shard, shard_paths

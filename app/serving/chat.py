@@ -36,7 +36,7 @@ from app.serving.responses import chat_logprobs, collect, sse, sse_response, str
 from app.tool_parser import ToolCallParser
 
 if TYPE_CHECKING:
-    from model.grammar import Grammar, GrammarCompiler
+    from model.engine.grammar import Grammar, GrammarCompiler
 
 
 def finish_reason(reason: str | None, called_tools: bool) -> str | None:
@@ -214,7 +214,7 @@ class ChatServing:
         return ChatOutputParser(reasoning, tools)
 
     def grammar_compiler(self) -> GrammarCompiler:
-        from model.grammar import GrammarCompiler
+        from model.engine.grammar import GrammarCompiler
 
         with self._grammars_lock:
             if self._grammars is None:

@@ -30,7 +30,7 @@ from app.protocol import (
     Usage,
 )
 from app.worker import RequestHandle
-from model.requests import RequestStats
+from model.engine.requests import RequestStats
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"

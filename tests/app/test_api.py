@@ -1,6 +1,7 @@
 """The service end to end: a real uvicorn subprocess on a loopback port, tiny target + Domino drafter.
 
 Greedy outputs are compared with Hugging Face `generate` on the same tiny model, one prompt alone.
+Over 500 lines: the endpoints' shared behaviour against one live server, started once per module.
 """
 
 from __future__ import annotations

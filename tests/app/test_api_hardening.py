@@ -198,7 +198,7 @@ def test_500_carries_a_request_id_and_no_detail(
     Before: the message was "could not admit the request (RuntimeError: <the exception text>)"."""
     from app.server import create_app
     from app.settings import Settings
-    from model.loading import build_engine
+    from model.load.loading import build_engine
 
     engine, tok = build_engine(
         str(tiny_target_dir), str(tiny_drafter_dir), mode="domino", dtype="float32", device="cpu", max_model_len=64

@@ -113,7 +113,7 @@ def build_scripted_target(root: Path) -> tuple[Path, Path]:
     from tokenizers import AddedToken
     from transformers import GenerationConfig
 
-    from model.checkpoint import save_drafter
+    from model.load.checkpoint import save_drafter
     from tests.helpers import tiny_target
 
     tok = build_tiny_tokenizer()

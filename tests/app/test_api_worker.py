@@ -18,7 +18,7 @@ import pytest
 from app.detokenize import OutputProcessor, TokenTexts
 from app.metrics import Metrics
 from app.worker import EngineWorker, SeqEvent, SequenceSpec
-from model.engine import RequestOutput, SamplingParams
+from model.engine.engine import RequestOutput, SamplingParams
 from tests.fixtures.waiting import wait_for
 
 MAX_MODEL_LEN = 64
@@ -26,7 +26,7 @@ MAX_MODEL_LEN = 64
 
 @pytest.fixture(scope="module")
 def engine_and_tokenizer(tiny_target_dir: Path, tiny_drafter_dir: Path) -> tuple[Any, Any]:
-    from model.loading import build_engine
+    from model.load.loading import build_engine
 
     return build_engine(
         str(tiny_target_dir),

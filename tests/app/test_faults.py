@@ -20,7 +20,7 @@ import pytest
 
 from app.metrics import Metrics
 from app.worker import MAX_STEP_FAILURES, EngineWorker, SeqEvent, SequenceSpec, Unavailable
-from model.engine import SamplingParams
+from model.engine.engine import SamplingParams
 from tests.fixtures.servers import ServerProcess
 from tests.fixtures.waiting import wait_for
 
@@ -28,7 +28,7 @@ STICKY = "RuntimeError: CUDA error: an illegal memory access was encountered"
 
 
 def build(tiny_target_dir: Path, tiny_drafter_dir: Path) -> tuple[Any, Any]:
-    from model.loading import build_engine
+    from model.load.loading import build_engine
 
     return build_engine(
         str(tiny_target_dir), str(tiny_drafter_dir), mode="domino", dtype="float32", device="cpu",
@@ -159,7 +159,7 @@ def test_mixed_failures_and_successes_keep_the_worker(tiny_target_dir: Path, tin
 # prefill and verify fails.
 STICKY_SERVER = """
 import sys
-import model.engine as me
+import model.engine.engine as me
 
 state = {"broken": False}
 real_prefill, real_decode = me.Engine._prefill, me.Engine._decode

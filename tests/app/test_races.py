@@ -22,7 +22,7 @@ import uvicorn
 
 from app.detokenize import OutputProcessor, TokenTexts
 from app.worker import EngineWorker, SequenceSpec
-from model.engine import RequestOutput, SamplingParams
+from model.engine.engine import RequestOutput, SamplingParams
 from tests.fixtures.servers import ServerProcess, free_port, metric, scrape_metrics
 from tests.fixtures.waiting import wait_for
 
@@ -103,7 +103,7 @@ def test_disconnect_while_waiting_for_a_row(one_row: ServerProcess, stream: bool
 def test_abort_racing_finish_in_the_worker(tiny_target_dir: Path, tiny_drafter_dir: Path) -> None:
     """abort() at every moment around a request's last step: exactly one final event, nothing leaks."""
     from app.metrics import Metrics
-    from model.loading import build_engine
+    from model.load.loading import build_engine
 
     engine, tok = build_engine(
         str(tiny_target_dir), str(tiny_drafter_dir), mode="domino", dtype="float32", device="cpu",
@@ -271,7 +271,7 @@ def in_process_server(tiny_target_dir: Path, tiny_drafter_dir: Path) -> Iterator
     """uvicorn on a loopback port in this process (so the worker can take a test's processor factory)."""
     from app.server import create_app
     from app.settings import Settings
-    from model.loading import build_engine
+    from model.load.loading import build_engine
 
     engine, tok = build_engine(
         str(tiny_target_dir), str(tiny_drafter_dir), mode="domino", dtype="float32", device="cpu",

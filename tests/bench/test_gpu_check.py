@@ -1,5 +1,5 @@
 """bench.gpu_check: the driver end to end at a tiny width on the CPU, its time boxes and deadline,
-the pytest subprocess, and the cache argument model/target.py passes to the HF decoder."""
+the pytest subprocess, and the cache argument model/nn/target.py passes to the HF decoder."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from bench.gpu_check import BOXES, FILES, PARTS, Check, Skip, main, parse_args, part_boxes
-from model.target import RaggedKVCache, TargetModel, cache_argument, check_cache_written
+from model.kv.target_cache import RaggedKVCache, check_cache_written
+from model.nn.target import TargetModel, cache_argument
 from tests.helpers import tiny_target
 
 

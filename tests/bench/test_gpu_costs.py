@@ -122,7 +122,7 @@ def test_variants_eager_only_skips_the_static_engines() -> None:
 def test_drafter_parameters_exclude_the_borrowed_target_embedding_and_head() -> None:
     # The published Qwen3-8B-Domino-b16 backbone has ~1.05 B parameters; the target's embedding and
     # LM head (2 x 151936 x 4096) it borrows must not count (an H200 report once said 2.29 B).
-    from model.drafter import count_parameters
+    from model.nn.drafter import count_parameters
 
     shapes = scaled_shapes(1)
     drafter = build_drafter(shapes, dtype=torch.bfloat16, device="meta")

@@ -1,4 +1,4 @@
-"""Folded grouped-query attention (model/attention.py) against the copy-the-heads reference."""
+"""Folded grouped-query attention (model/nn/attention.py) against the copy-the-heads reference."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import ATTENTION_NAME, can_pack, packed_gqa_attention
-from model.target import TargetModel
+from model.nn.attention import ATTENTION_NAME, can_pack, packed_gqa_attention
+from model.nn.target import TargetModel
 from tests.helpers import tiny_target
 
 

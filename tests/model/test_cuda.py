@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from model.engine import Engine, SamplingParams
-from model.requests import TokenLogprob
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.requests import TokenLogprob
+from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from tests.model.test_engine import _prompts
 from tests.model.test_sampling import ALPHA, _chi_square, _exact_joint, assert_power
@@ -247,7 +247,7 @@ GRAPH_MODES = ("ar", "ngram", "dflash", "domino")
 
 
 def assert_all_graphs(engine: Engine) -> None:
-    """Every static-shape bucket was captured: none fell back to eager (model/static.py logs why)."""
+    """Every static-shape bucket was captured: none fell back to eager (model/engine/static.py logs why)."""
     assert engine.static is not None and engine.static.use_graphs
     report = engine.static.report
     assert report is not None and report.graphs > 0 and report.eager == 0, report
@@ -401,7 +401,7 @@ def test_capture_failure_falls_back_to_eager() -> None:
     """A function that reads a device value back cannot be captured: StaticFunction must run it
     eagerly instead and leave the process as before (the default stream current again, and later
     captures still working)."""
-    from model.static import StaticFunction
+    from model.engine.static import StaticFunction
 
     x = torch.arange(4, device="cuda", dtype=torch.float32)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import default_model as dm
+from model.load import default_model as dm
 from tests.fixtures.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -235,7 +235,7 @@ def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_auto_dtype_is_bf16_exactly_where_the_cpu_multiplies_bf16_natively() -> None:
-    from model.loading import cpu_has_native_bf16, resolve_dtype
+    from model.load.loading import cpu_has_native_bf16, resolve_dtype
 
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", "cpu") == expected

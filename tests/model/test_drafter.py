@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from model.drafter import (
-    DraftContextCache,
+from model.engine.sampling import SamplingBatch
+from model.nn.drafter import (
     Drafter,
     DrafterConfig,
     count_parameters,
     default_target_layer_ids,
     gru_cell,
+    new_context_cache,
 )
-from model.sampling import SamplingBatch
 from tests.helpers import tiny_drafter
 
 
@@ -60,7 +60,7 @@ def _run_batch(
     drafter: Drafter, feats: list[torch.Tensor], block: torch.Tensor, lo: int = 0, num_outputs: int | None = None
 ):
     r = len(feats)
-    cache = DraftContextCache(drafter.config, lo + r, 64, torch.float32, "cpu")
+    cache = new_context_cache(drafter.config, lo + r, 64, torch.float32, "cpu")
     # Append each row's context in two uneven, ragged chunks to exercise per-row offsets.
     for part in (0, 1):
         chunks = [f[: len(f) // 2] if part == 0 else f[len(f) // 2 :] for f in feats]

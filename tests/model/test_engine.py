@@ -1,4 +1,7 @@
-"""The engine: lossless greedy decoding, acceptance accounting, stops, limits, seeds."""
+"""The engine: lossless greedy decoding, acceptance accounting, stops, limits, seeds.
+
+Over 500 lines: one file per module under test, and the engine is the biggest one (its split,
+the engine-loop step, splits these tests with it)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from model.drafter import DraftResult
-from model.engine import ContextLengthError, Engine, Row, SamplingParams
-from model.prefix_cache import CachedBlock
-from model.sampling import SamplingBatch
-from model.target import TargetModel
+from model.engine.engine import ContextLengthError, Engine, Row, SamplingParams
+from model.engine.sampling import SamplingBatch
+from model.kv.prefix_cache import CachedBlock
+from model.nn.drafter import DraftResult
+from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 
 MODES = ("ar", "dflash", "domino")
@@ -95,7 +98,7 @@ def test_rows_join_while_others_decode(target_and_refs, mode: str) -> None:
 
 class OracleProposer:
     """Proposes the known target continuation, optionally corrupted at chosen draft slots (a
-    model.proposers.DraftProposer in the drafter's place)."""
+    model.engine.proposers.DraftProposer in the drafter's place)."""
 
     def __init__(self, continuations: dict[str, list[int]], vocab_size: int, corrupt: set[int] = frozenset()) -> None:
         self.continuations = continuations
@@ -230,7 +233,7 @@ def test_engine_config_is_typed_and_checked() -> None:
     value no engine can run with is refused naming the field."""
     from dataclasses import replace
 
-    from model.config import EngineConfig
+    from model.engine.config import EngineConfig
 
     target = TargetModel(tiny_target())
     cfg = EngineConfig(mode="ar", max_batch_size=3, max_model_len=64)
@@ -441,7 +444,7 @@ def test_engines_sharing_a_target_and_drafter_keep_their_own_settings() -> None:
 
 
 def test_prefill_groups_split_where_padding_costs_more_than_a_forward() -> None:
-    from model.engine import prefill_groups
+    from model.engine.engine import prefill_groups
 
     # Two short prompts and two long ones: padding the short ones to 310 would waste ~600 tokens.
     assert prefill_groups([10, 12, 300, 310], 32) == [(0, 2), (2, 4)]

@@ -19,9 +19,9 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from model.engine import Engine, SamplingParams
-from model.grammar import GrammarCompiler
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.grammar import GrammarCompiler
+from model.nn.target import TargetModel
 from tests.fixtures.models import build_tiny_drafter, build_tiny_target, build_tiny_tokenizer
 
 SCHEMA = {

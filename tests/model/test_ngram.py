@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.costs import NgramAcceptance
-from model.engine import Engine, SamplingParams
-from model.ngram import NgramIndex
-from model.sampling import sample_with_uniform, verify_sampling
-from model.target import TargetModel
+from model.engine.costs import NgramAcceptance
+from model.engine.engine import Engine, SamplingParams
+from model.engine.ngram import NgramIndex
+from model.engine.sampling import sample_with_uniform, verify_sampling
+from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from tests.model.test_engine import _hf_greedy
 from tests.model.test_policy import PriorCosts

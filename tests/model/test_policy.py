@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from model.costs import AcceptanceCalibration, StepCosts
-from model.engine import SamplingParams
-from model.policy import best_shared_drafts
+from model.engine.costs import AcceptanceCalibration, StepCosts
+from model.engine.engine import SamplingParams
+from model.engine.policy import best_shared_drafts
 from tests.helpers import tiny_target
 from tests.model.test_engine import _engine, _hf_greedy, _oracle, _prompts
 
@@ -121,13 +121,13 @@ def test_adaptive_engine_stops_paying_for_confidently_wrong_drafts() -> None:
 def test_prior_curve_follows_where_the_target_runs() -> None:
     # Sampling rows decide by the prior alone: with a bandwidth-bound target (bf16, GPUs) a verify
     # over a whole block costs about one plain step, so a confident drafter drafts further.
-    from model.costs import (
+    from model.engine.costs import (
         BANDWIDTH_BOUND_VERIFY_CURVE,
         CPU_BF16_VERIFY_CURVE,
         CPU_FP32_VERIFY_CURVE,
         prior_curve_for,
     )
-    from model.policy import stopping_drafts
+    from model.engine.policy import stopping_drafts
 
     assert prior_curve_for("cpu", torch.float32) is CPU_FP32_VERIFY_CURVE
     assert prior_curve_for("cpu", torch.bfloat16) is CPU_BF16_VERIFY_CURVE
@@ -144,7 +144,7 @@ def test_same_batch_estimates_scale_by_tokens_per_forward() -> None:
     leave their flat region), where at batch 1 two tokens cost ~1.01x one: an unmeasured plain
     step is estimated from the tokens in the forward, not from T alone (which made every width
     look as cheap as T = 1)."""
-    from model.costs import CPU_BF16_VERIFY_CURVE
+    from model.engine.costs import CPU_BF16_VERIFY_CURVE
 
     costs = StepCosts(prior=CPU_BF16_VERIFY_CURVE)
     for _ in range(3):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from model.drafter import DraftResult
-from model.engine import Engine, SamplingParams
-from model.sampling import processed_probs, sample_with_uniform, verify_sampling
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.sampling import processed_probs, sample_with_uniform, verify_sampling
+from model.nn.drafter import DraftResult
+from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 
 ALPHA = 1e-3  # a correct sampler fails with this probability; seeds are fixed, so the test is deterministic
@@ -235,7 +235,7 @@ def test_adaptive_pause_and_narrowing_on_unseeded_sampling_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_greedy_ids_take_the_first_of_tied_maxima(dtype: torch.dtype) -> None:
     """Greedy verification must pick what argmax (and HF generate) picks, ties included."""
-    from model.sampling import greedy_ids
+    from model.engine.sampling import greedy_ids
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 3, 49152, generator=g).to(dtype)

@@ -1,4 +1,4 @@
-"""The static-shape path (model/static.py), run eagerly on the CPU: padded batch and token buckets,
+"""The static-shape path (model/engine/static.py), run eagerly on the CPU: padded batch and token buckets,
 attention over the whole cache, no read of device values back to the host inside a bucket's
 function (what a CUDA graph needs), and token-identical output to HF generate and to the dynamic
 path in every mode, batch size and policy, with rows joining mid-decode and seeded sampling."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.engine import Engine, SamplingParams
-from model.static import batch_buckets, bucket_for, verify_widths
-from model.target import TargetModel
+from model.engine.engine import Engine, SamplingParams
+from model.engine.static import batch_buckets, bucket_for, verify_widths
+from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from tests.model.test_engine import _hf_greedy, _prompts, oracle_engine
 

@@ -1,4 +1,7 @@
-"""Training pipeline: gen -> fit -> eval end to end on a tiny target; one logit function for train and infer."""
+"""Training pipeline: gen -> fit -> eval end to end on a tiny target; one logit function for train and infer.
+
+Over 500 lines: gen, features, fit, eval and their resume paths each need a real run of the stage
+on a tiny target."""
 
 from __future__ import annotations
 
@@ -12,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.checkpoint import load_drafter
-from model.drafter import DraftContextCache, Drafter, head_parameters
-from model.loading import cpu_has_native_bf16
-from model.sampling import SamplingBatch
-from model.target import TargetModel
+from model.engine.sampling import SamplingBatch
+from model.load.checkpoint import load_drafter
+from model.load.loading import cpu_has_native_bf16
+from model.nn.drafter import Drafter, head_parameters, new_context_cache
+from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from train.cli import build_parser, fit_config, gen_config, main
 from train.config import DataConfig, DrafterSpec, FitConfig, GenConfig
@@ -79,7 +82,7 @@ def test_training_logits_equal_inference_logits() -> None:
     anchor = 17
     feats = torch.randn(1, ctx_len + cfg.block_size, len(cfg.target_layer_ids) * cfg.hidden_size)
 
-    cache = DraftContextCache(cfg, 1, 64, torch.float32, "cpu")
+    cache = new_context_cache(cfg, 1, 64, torch.float32, "cpu")
     with torch.no_grad():
         drafter.append_context(cache, 0, feats[:, :ctx_len], torch.tensor([ctx_len]))
         block = torch.full((1, cfg.block_size), cfg.mask_token_id)
@@ -312,7 +315,7 @@ def test_gen_fit_eval_end_to_end(tiny_target_dir: Path, tmp_path: Path) -> None:
 def _check_offline_walk_equals_engine(target_dir: Path, drafter_dir: Path, data: Path) -> None:
     """The offline walk over the target's own greedy answers reproduces the engine's full-block
     greedy τ and per-slot acceptance, without running the target."""
-    from model.loading import eos_token_ids, load_target
+    from model.load.loading import eos_token_ids, load_target
 
     model, tokenizer = load_target(str(target_dir))
     target = TargetModel(model)
@@ -402,7 +405,7 @@ def test_widening_the_draft_vocabulary_keeps_learned_rows_and_proposes_new_token
     """fit --init-from D --draft-vocab N: every token of D stays with its learned correction row, the
     most frequent others join with the mean row, slot 0 can propose them at once, and the wider
     drafter saves and loads."""
-    from model.checkpoint import load_drafter, save_drafter
+    from model.load.checkpoint import load_drafter, save_drafter
     from tests.helpers import tiny_drafter
 
     torch.manual_seed(0)
@@ -552,7 +555,7 @@ def test_average_writes_the_mean_of_like_drafters_and_refuses_unlike_ones(tmp_pa
     """domino-train average: every floating-point weight of the output is the weighted mean of the
     inputs' (here exactly, in the bf16 the checkpoints are stored in), the draft vocabulary is kept,
     and drafters with another vocabulary or config are refused rather than blended."""
-    from model.checkpoint import save_drafter
+    from model.load.checkpoint import save_drafter
 
     a, b = tiny_drafter(seed=1, draft_vocab_size=64), tiny_drafter(seed=2, draft_vocab_size=64)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """Static-shape steps for accelerators: fixed (batch, tokens) buckets, persistent input buffers and,
-on CUDA, one captured graph per bucket (docs/design.md §1.4, "GPU fast path").
+on CUDA, one captured graph per bucket (docs/design.md §3, "Static shapes and CUDA graphs").
 
 On a GPU an eager verify forward costs ~10x its memory-bandwidth floor at batch 1: the time goes
 into launching hundreds of small kernels from Python, not into the kernels. Replaying a captured

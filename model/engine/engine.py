@@ -9,6 +9,9 @@ Modes: `domino` (Domino head on), `dflash` (head off: base logits only), `ngram`
 copies from each row's own context, no drafter), `ar` (no drafts: plain batched autoregressive
 decoding through the same code path). In `domino`/`dflash` the n-gram copies are on by default too:
 per row and step the policy verifies whichever proposal it expects to pay more (or none).
+
+Over 500 lines for now: the step loop still holds first-token sampling, prefill, slot compaction
+and statistics; the engine-loop step (shared/ENGINE_PLAN.md) gives them modules of their own.
 """
 
 from __future__ import annotations
@@ -21,16 +24,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.config import EngineConfig
-from model.costs import NgramAcceptance, prior_curve_for
-from model.drafter import DraftContextCache, Drafter
-from model.logits_processors import RowProcessor, new_row_processor, process_logits
-from model.ngram import NgramIndex
-from model.policy import DraftPolicy, StepChoice
-from model.prefix_cache import PrefixCache
-from model.proposers import DrafterProposer, DraftProposer, NgramProposer
-from model.rejection import Drafts, Proposals, accept, assemble_drafts
-from model.requests import (
+from model.engine.config import EngineConfig
+from model.engine.costs import NgramAcceptance, prior_curve_for
+from model.engine.logits_processors import RowProcessor, new_row_processor, process_logits
+from model.engine.ngram import NgramIndex
+from model.engine.policy import DraftPolicy, StepChoice
+from model.engine.proposers import DrafterProposer, DraftProposer, NgramProposer
+from model.engine.rejection import Drafts, Proposals, accept, assemble_drafts
+from model.engine.requests import (
     ContextLengthError,
     RequestOutput,
     RequestStats,
@@ -38,15 +39,17 @@ from model.requests import (
     StepTiming,
     TokenLogprob,
 )
-from model.sampling import (
+from model.engine.sampling import (
     SamplingBatch,
     greedy_ids,
     processed_probs,
     sample_with_uniform,
 )
-from model.scheduler import Scheduler
-from model.static import StaticSteps, batch_buckets, verify_widths
-from model.target import TargetModel, TargetOutput
+from model.engine.scheduler import Scheduler
+from model.engine.static import StaticSteps, batch_buckets, verify_widths
+from model.kv.prefix_cache import PrefixCache
+from model.nn.drafter import Drafter, new_context_cache
+from model.nn.target import TargetModel, TargetOutput
 
 PROMPT_LOGPROB_CHUNK = 256  # prompt positions per LM-head call when scoring a prompt
 
@@ -175,7 +178,7 @@ class Engine:
         )
         block = self._attach_drafter(max_drafts, capture_taps)
         # adaptive: drafts per step from the drafter's confidence and measured step costs
-        # (model/policy.py); fixed: every draft up to the first below draft_threshold.
+        # (model/engine/policy.py); fixed: every draft up to the first below draft_threshold.
         self.policy = DraftPolicy(
             adaptive=cfg.draft_policy == "adaptive",
             num_drafts=self.num_drafts,
@@ -193,11 +196,11 @@ class Engine:
         slots = batch_buckets(cfg.max_batch_size)[-1] if self.static_shapes else cfg.max_batch_size
         self.cache = target.new_cache(slots, capacity)
         self.draft_cache = (
-            DraftContextCache(self.drafter.config, slots, capacity, target.dtype, self.device)
+            new_context_cache(self.drafter.config, slots, capacity, target.dtype, self.device)
             if self.drafter is not None
             else None
         )
-        # Prompt beginnings seen before (model/prefix_cache.py); not when capturing training
+        # Prompt beginnings seen before (model/kv/prefix_cache.py); not when capturing training
         # features, which need every prompt position's taps.
         self.prefix_cache = (
             PrefixCache(

@@ -35,14 +35,14 @@ class SamplingParams:
     # Log-probabilities of the prompt's tokens 1..n-1 from the target's prefill, with this many top
     # alternatives each (None: none). Such a prompt is forwarded whole: no prefix-cache hit.
     prompt_logprobs: int | None = None
-    # Logits processors (model/logits_processors.py), applied to the target at every verify position.
+    # Logits processors (model/engine/logits_processors.py), applied to the target at every verify position.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # stop tokens are held back until this many tokens were generated
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
-    grammar: Any = None  # model.grammar.Grammar: its matcher masks the target; None: free text
+    grammar: Any = None  # model.engine.grammar.Grammar: its matcher masks the target; None: free text
 
     def validate(self) -> None:
         if self.max_new_tokens < 0:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.drafter import DraftResult
-from model.policy import NgramPlan, StepChoice
-from model.sampling import SamplingBatch, processed_probs, verify_greedy, verify_sampling
+from model.engine.policy import NgramPlan, StepChoice
+from model.engine.sampling import SamplingBatch, processed_probs, verify_greedy, verify_sampling
+from model.nn.drafter import DraftResult
 
 
 @dataclass

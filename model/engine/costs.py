@@ -1,4 +1,4 @@
-"""What the draft policy (model/policy.py) knows from measurement: step costs and acceptance.
+"""What the draft policy (model/engine/policy.py) knows from measurement: step costs and acceptance.
 
 - `StepCosts`: verify and draft times by batch size and width, with a prior curve per device and
   dtype until cells are measured.
@@ -20,7 +20,7 @@ import torch
 # A curve is keyed by the tokens in one forward (batch x T): at batch 1 that is T; a same-batch
 # estimate scales by it too, since a forward's cost follows its total tokens. The CPU bf16 curve
 # is bench.verify_cost on a 2-core AVX512-BF16 CPU with the folded grouped-query attention
-# (model/attention.py), fitted to batches 1, 4 and 8 (bench/results/verify_cost_batch*_round6.md):
+# (model/nn/attention.py), fitted to batches 1, 4 and 8 (bench/results/verify_cost_batch*_round6.md):
 # batch 8 at T = 2 costs 1.14x T = 1 (1.67x before the attention stopped copying the cache).
 CPU_FP32_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
 CPU_BF16_VERIFY_CURVE = {1: 1.0, 2: 1.01, 4: 1.07, 8: 1.2, 16: 1.38, 24: 1.56, 40: 1.97, 72: 2.85}

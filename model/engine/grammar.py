@@ -268,7 +268,7 @@ class Grammar:
 
 
 class GrammarMatcher:
-    """One row's position in its grammar (model.logits_processors.Matcher).
+    """One row's position in its grammar (model.engine.logits_processors.Matcher).
 
     stop_ids: the tokens besides EOS that end the row (stop_token_ids); one the grammar refuses can
     only come where the grammar allowed nothing (RowProcessor._never_empty) and ends the row

@@ -15,7 +15,7 @@ class EngineConfig:
     max_batch_size: int = 8  # rows decoding at once
     max_model_len: int = 2048  # prompt + output tokens per row
     eos_token_ids: tuple[int, ...] = ()  # end a row unless its request sets ignore_eos
-    # adaptive: drafts per step from the drafter's confidence and measured step costs (model/policy.py);
+    # adaptive: drafts per step from the drafter's confidence and measured step costs (model/engine/policy.py);
     # fixed: every draft up to the first below draft_threshold.
     draft_policy: str = "adaptive"
     draft_threshold: float = 0.0

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import can_pack, packed_gqa_attention
-from model.kvcache import move_slot
-from model.sampling import SamplingBatch, pick_tokens
+from model.engine.sampling import SamplingBatch, pick_tokens
+from model.kv.draft_cache import DraftContextCache
+from model.nn.attention import can_pack, packed_gqa_attention
 
 
 @dataclass
@@ -225,41 +225,13 @@ def gru_cell(x: torch.Tensor, h: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.T
     return (1 - z) * n + z * h
 
 
-class DraftContextCache:
-    """Per-row context keys/values of every drafter layer, in preallocated buffers.
-
-    Rows live in slots; a row's context length is `lengths[slot]`. A block's own keys/values are
-    written after a row's context as scratch and never counted, so rolling back is free.
-    """
-
-    def __init__(
-        self,
-        cfg: DrafterConfig,
-        max_slots: int,
-        capacity: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        shape = (max_slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
-        self.capacity = capacity
-
-    def write(self, layer: int, lo: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k/v [R, kv, T, hd] for slots lo..lo+R-1 at positions start[r] + t."""
-        r, kv, t, _ = k.shape
-        dev = k.device
-        rows = torch.arange(lo, lo + r, device=dev)[:, None, None]
-        heads = torch.arange(kv, device=dev)[None, :, None]
-        # Clamped: a padding row of a static-shape step may sit near the end (never counted).
-        pos = (start[:, None] + torch.arange(t, device=dev)[None, :]).clamp_max(self.capacity - 1)[:, None, :]
-        self.keys[layer].index_put_((rows, heads, pos), k)
-        self.values[layer].index_put_((rows, heads, pos), v)
-
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy one row's context into another slot (used when compacting the batch)."""
-        move_slot(self.keys, self.values, self.lengths, src, dst)
+def new_context_cache(
+    cfg: DrafterConfig, max_slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+) -> DraftContextCache:
+    """A drafter's context cache: `max_slots` rows of `capacity` context tokens for every layer."""
+    return DraftContextCache(
+        cfg.num_hidden_layers, max_slots, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+    )
 
 
 @dataclass

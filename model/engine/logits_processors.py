@@ -27,7 +27,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 class Matcher(Protocol):
-    """What a row needs from a grammar matcher (model/grammar.py wraps llguidance's)."""
+    """What a row needs from a grammar matcher (model/engine/grammar.py wraps llguidance's)."""
 
     # Why the committed output can no longer be a valid completion (client-safe), None while it
     # can; once set it stays set and `allowed` lets only EOS through.

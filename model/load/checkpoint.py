@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from model.drafter import Drafter, DrafterConfig
+from model.nn.drafter import Drafter, DrafterConfig
 
 ARCHITECTURES = ("DFlashDraftModel", "DominoDraftModel")
 CONFIG_NAME = "config.json"

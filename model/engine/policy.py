@@ -12,12 +12,12 @@ and compares it with plain decoding, rate_ar = R / t_verify(R, 1). That look-ahe
 used for greedy rows, whose output does not depend on how many drafts are verified. Sampling rows
 use a row-local stopping rule (`stopping_drafts`) that is lossless and independent of the batch.
 
-N-gram copies (model/ngram.py) are a second, free proposal: `NgramAcceptance` learns their
+N-gram copies (model/engine/ngram.py) are a second, free proposal: `NgramAcceptance` learns their
 acceptance per match length and slot from verify steps, which gives their E_r(k) in the same
 formula; greedy rows take the better proposal at the chosen width, sampling rows choose from what
 is known before their first draft is drawn (`DraftPolicy.choose`).
 
-The measured side (step costs, calibration, copy acceptance) is in model/costs.py.
+The measured side (step costs, calibration, copy acceptance) is in model/engine/costs.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from model.costs import (
+from model.engine.costs import (
     NGRAM_PRIOR,
     PRIOR_DRAFT_FRACTION,
     PRIOR_VERIFY_CURVE,
@@ -39,7 +39,7 @@ from model.costs import (
     VerifyCurve,
     prior_verify,
 )
-from model.ngram import NgramProposal
+from model.engine.ngram import NgramProposal
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
@@ -128,7 +128,7 @@ class DraftPolicy:
     def ngram_plans(
         self, rows: Sequence[PolicyRow], proposals: Sequence[NgramProposal | None], width: int
     ) -> list[NgramPlan | None]:
-        """Each row's n-gram proposal (model/proposers.py) with its expected acceptance per slot:
+        """Each row's n-gram proposal (model/engine/proposers.py) with its expected acceptance per slot:
         greedy rows shrink their own record towards the engine-wide one; sampling rows use their own
         record only, so a seeded row decides the same in any batch."""
         if width:

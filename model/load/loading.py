@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from model.checkpoint import load_drafter
-from model.config import EngineConfig
-from model.drafter import Drafter
-from model.engine import Engine
-from model.target import TargetModel
+from model.engine.config import EngineConfig
+from model.engine.engine import Engine
+from model.load.checkpoint import load_drafter
+from model.nn.drafter import Drafter
+from model.nn.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def shipped_drafter_dir(name: str) -> Path:
-    """A drafter this project ships (models/README.md): `models/<name>` next to the source (a
-    checkout or editable install), else `<prefix>/share/domino-serve/models/<name>` where a wheel
+    """A drafter this project ships (drafters/README.md): `drafters/<name>` next to the source (a
+    checkout or editable install), else `<prefix>/share/domino-serve/drafters/<name>` where a wheel
     install puts it (pyproject.toml's data-files)."""
-    for base in (REPO_ROOT / "models", Path(sys.prefix) / "share" / "domino-serve" / "models"):
+    for base in (REPO_ROOT / "drafters", Path(sys.prefix) / "share" / "domino-serve" / "drafters"):
         if (base / name / "config.json").is_file():
             return base / name
-    return REPO_ROOT / "models" / name
+    return REPO_ROOT / "drafters" / name
 
 
 # The drafters this project trained for the embedded default target.
@@ -73,7 +73,7 @@ def load_target(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """An HF causal LM and its tokenizer; `default` is the embedded SmolLM2-135M-Instruct."""
     if name_or_path == DEFAULT_TARGET:
-        from model.default_model import ensure_default_target
+        from model.load.default_model import ensure_default_target
 
         name_or_path = str(ensure_default_target())
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation="sdpa")
@@ -128,7 +128,7 @@ def build_engine(
     **overrides: Any,
 ) -> tuple[Engine, PreTrainedTokenizerBase]:
     """Load everything a server needs. With the default target and no drafter given, the drafter
-    shipped in models/ is used; where none fits, the engine falls back to `ar` and logs why.
+    shipped in drafters/ is used; where none fits, the engine falls back to `ar` and logs why.
     `overrides` replace fields of `config` (EngineConfig's names); the EOS ids come from the model."""
     config = replace(config or EngineConfig(), **overrides)
     mode = config.mode

@@ -2,7 +2,7 @@
 Domino/DFlash drafter, or a test's or benchmark's oracle in its place), and `NgramProposer` copies
 what followed the row's latest n-gram earlier in its own prompt and output (prompt lookup).
 
-The engine asks both each step (model/policy.py then chooses, per row, which proposal to verify and
+The engine asks both each step (model/engine/policy.py then chooses, per row, which proposal to verify and
 how much of it); neither touches the target or the rows' state.
 """
 
@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from model.drafter import DraftContextCache, Drafter, DraftResult
-from model.ngram import NgramProposal
-from model.sampling import SamplingBatch
+from model.engine.ngram import NgramProposal
+from model.engine.sampling import SamplingBatch
+from model.kv.draft_cache import DraftContextCache
+from model.nn.drafter import Drafter, DraftResult
 
 if TYPE_CHECKING:
-    from model.ngram import NgramIndex
-    from model.static import StaticSteps
+    from model.engine.ngram import NgramIndex
+    from model.engine.static import StaticSteps
 
 
 class Row(Protocol):
-    """What proposers read of an engine row (model.engine.Row)."""
+    """What proposers read of an engine row (model.engine.engine.Row)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -87,7 +88,7 @@ class DrafterProposer:
 
 
 class NgramProposer:
-    """Prompt-lookup copies from each row's own prompt and output (model/ngram.py)."""
+    """Prompt-lookup copies from each row's own prompt and output (model/engine/ngram.py)."""
 
     def propose(self, rows: Sequence[Row], budgets: list[int], width: int) -> list[NgramProposal | None]:
         """Each row's copy of at most `width` tokens within its budget, or None."""

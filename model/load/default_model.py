@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from model.wheels import (  # noqa: F401  (CACHE_DIR_ENV: re-exported for callers of this module)
+from model.load.wheels import (  # noqa: F401  (CACHE_DIR_ENV: re-exported for callers of this module)
     CACHE_DIR_ENV,
     PinnedWheel,
     WheelFetchError,

