@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kv.slots import move_slot
+from model.kv.slots import move_slot, slot_buffers
 
 
 class DraftContextCache:
@@ -25,10 +25,9 @@ class DraftContextCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (max_slots, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.keys, self.values, self.lengths = slot_buffers(
+            num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device
+        )
         self.capacity = capacity
 
     def write(self, layer: int, lo: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

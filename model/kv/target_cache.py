@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from model.kv.slots import move_slot
+from model.kv.slots import move_slot, slot_buffers
 
 
 class RaggedKVCache(Cache):
@@ -30,10 +30,9 @@ class RaggedKVCache(Cache):
         device: torch.device | str,
     ) -> None:
         super().__init__(layers=[])
-        shape = (max_slots, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.keys, self.values, self.lengths = slot_buffers(
+            num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device
+        )
         self.capacity = capacity
         # Set by `prepare` for one forward.
         self._lo = 0
