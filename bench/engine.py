@@ -15,7 +15,6 @@ Decode speed counts tokens after the first, over the time after the first token 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from bench.report import write_json
 from model.engine.engine import Engine, SamplingParams
 from model.load.checkpoint import load_drafter
 from model.load.loading import (
@@ -213,8 +213,7 @@ def write_reports(result: dict[str, Any], json_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, json_path)
     stem = json_path.with_suffix("")
     lines = [
         "| mode | decode tok/s | speedup vs hf-generate | τ mean | steps verifying drafts | accepted drafter / ngram "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import write_json
 from model.engine.requests import SamplingParams
 from model.load.loading import DEFAULT_TARGET, build_engine
 from model.load.prompts import load_prompt_file
@@ -68,7 +69,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, Path(args.json))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
-"""Rendering and writing benchmark results: the Markdown reports of the GPU benchmarks
-(bench/gpu_costs.py, bench/gpu_e2e.py) and of the load test (bench/load.py), and the JSON beside
-them. The single-table benchmarks (bench/engine.py, batch_split.py, verify_cost.py) keep their one
-table beside their numbers and write it with `save_result`. Imports no torch: bench.load stays a
-light HTTP client.
+"""Writing and rendering benchmark results: the JSON every benchmark writes (`write_json`, compact),
+the driver of the GPU cost study (bench/gpu_check/costs.py: `run_and_report`) and the load test's Markdown
+reports (bench/load.py). The single-table benchmarks (bench/engine.py, batch_split.py,
+verify_cost.py) keep their one table beside their numbers and write it with `save_result`. Imports
+no torch: bench.load stays a light HTTP client.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 from collections.abc import Callable
@@ -31,9 +32,36 @@ def json_ready(obj: Any) -> Any:
     return obj
 
 
+SIGNIFICANT_DIGITS = 6  # past any timer's or counter's precision; keeps per-step samples small
+
+
+def compact_json(obj: Any, level: int = 0) -> str:
+    """JSON that stays readable and diffable but small: objects one key per line, a list of scalars
+    (per-step samples) on one line, floats to SIGNIFICANT_DIGITS. The checked-in results are part
+    of the tracked tree, whose size the packaging test bounds."""
+    pad, inner = "  " * level, "  " * (level + 1)
+    if isinstance(obj, float) and math.isfinite(obj):
+        return json.dumps(float(f"{obj:.{SIGNIFICANT_DIGITS}g}"))
+    if isinstance(obj, dict) and obj:
+        items = (f"{inner}{json.dumps(str(k))}: {compact_json(v, level + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, list) and obj:
+        if all(not isinstance(v, (dict, list)) for v in obj):
+            return "[" + ", ".join(compact_json(v) for v in obj) + "]"
+        return "[\n" + ",\n".join(inner + compact_json(v, level + 1) for v in obj) + f"\n{pad}]"
+    return json.dumps(obj)
+
+
 def write_json(result: dict[str, Any], path: Path) -> None:
+    """`compact_json` to `path`, gzipped when it ends in .gz (results of many per-step samples that
+    feed only a table: `zcat` or `gzip.open` reads them). No timestamp in the gzip header, so the
+    same result gives the same bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    text = compact_json(result) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+    else:
+        path.write_text(text)
 
 
 def write_table(result: dict[str, Any], json_path: str | Path, table: str) -> None:
@@ -62,219 +90,13 @@ def run_and_report(
     run_fn: Callable[[argparse.Namespace, Callable[[dict[str, Any]], None]], dict[str, Any]],
     markdown_fn: Callable[[dict[str, Any]], str],
 ) -> dict[str, Any]:
-    """Run a GPU benchmark, writing its reports after each batch size ("complete": false until
-    the end) and once more, printed, at the end (both GPU benchmarks)."""
+    """Run a benchmark, writing its reports after each batch size ("complete": false until
+    the end) and once more, printed, at the end (bench.gpu_check.costs)."""
     result = run_fn(args, lambda partial: write_reports(partial, markdown_fn(partial), args.json, args.markdown))
     report = markdown_fn(result)
     print(report)
     write_reports(result, report, args.json, args.markdown)
     return result
-
-
-# -- bench.gpu_costs ---------------------------------------------------------------------------
-
-
-def costs_markdown(result: dict[str, Any]) -> str:
-    """bench.gpu_costs's report: target forwards, drafter and engine parts, the projection, and
-    (with --variants beyond eager) graph vs eager and the static engines' warm-up."""
-    env, rows = result["environment"], result["rows"]
-    tokens = result["config"]["tokens"]
-    pub = result["published"]
-    lines = [
-        f"## GPU costs: {env['device_name']}, {env['dtype']}, scale 1/{result['config']['scale']}"
-        f" (layers 1/{result['config']['layers_scale']})",
-        "",
-        f"Target {result['shapes']['target_layers']} layers x hidden {result['shapes']['hidden_size']}, "
-        f"vocab {result['shapes']['vocab_size']} ({env['target_params'] / 1e6:.1f} M params); drafter "
-        f"{result['shapes']['draft_layers']} layers, block {result['shapes']['block_size']} "
-        f"(backbone {env['drafter_params']['backbone'] / 1e6:.1f} M, "
-        f"head {env['drafter_params']['head'] / 1e6:.2f} M). "
-        f"Medians of {result['config']['repeats']} runs after {result['config']['warmup']} warm-up, in ms.",
-        "",
-        "### Target forward (T new tokens per row)",
-        "",
-        "| batch | context | " + " | ".join(f"T={t}" for t in tokens) + " |",
-        "|---|---|" + "---|" * len(tokens),
-    ]
-    for r in rows:
-        cells = " | ".join(f"{r['target_ms'][t]:.2f}" for t in tokens)
-        lines.append(f"| {r['batch']} | {r['context']} | {cells} |")
-    lines += [
-        "",
-        "### Drafter and engine",
-        "",
-        "| batch | context | backbone | draft (head off) | draft (Domino) | head (eager) | append | "
-        "engine step (dynamic) ar / dflash / domino | engine overhead ar / dflash / domino |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        steps = " / ".join(f"{ms['step_ms']:.2f}" for ms in r["engine"].values())  # ar, dflash, domino
-        over = " / ".join(f"{ms:.2f}" for ms in r["engine_overhead_ms"].values())
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['backbone_ms']:.2f} | {r['draft_base_ms']:.2f} | "
-            f"{r['draft_domino_ms']:.2f} | {r['head_ms']:.2f} | {r['append_ms']:.2f} | {steps} | {over} |"
-        )
-    d_pub, f_pub = pub["domino"], pub["dflash"]
-    lines += [
-        "",
-        "### Projection (tau from the paper; speedup = tau * t_target(1) / (t_draft + t_verify))",
-        "",
-        "| batch | context | Domino step/t1 | Domino speedup | Domino speedup (engine steps) | head overhead | "
-        "DFlash step/t1 | DFlash speedup | DFlash speedup (engine steps) |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| published | | {d_pub['tau'] / d_pub['speedup']:.3f} | {d_pub['speedup']:.2f}x | | "
-        f"+{100 * d_pub['head_latency_overhead']:.1f} % | {f_pub['tau'] / f_pub['speedup']:.3f} | "
-        f"{f_pub['speedup']:.2f}x | |",
-    ]
-    for r in rows:
-        d, f = r["projection"]["domino"], r["projection"]["dflash"]
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {d['step_over_t1']:.3f} | {d['speedup']:.2f}x | "
-            f"{d['speedup_engine']:.2f}x | +{100 * d['head_overhead']:.1f} % | {f['step_over_t1']:.3f} | "
-            f"{f['speedup']:.2f}x | {f['speedup_engine']:.2f}x |"
-        )
-    lines += [
-        "",
-        f"tau used: Domino {result['config']['tau']}, DFlash {result['config']['tau_dflash']}. "
-        f"Published ({pub['source']}): Domino tau {d_pub['tau']} -> "
-        f"{d_pub['speedup']}x, head +{100 * d_pub['head_latency_overhead']:.1f} % latency; DFlash tau "
-        f"{f_pub['tau']} -> {f_pub['speedup']}x.",
-        "",
-    ]
-    return "\n".join(lines + _costs_graphs(result))
-
-
-_PART_LABELS = {
-    "verify": "verify T={} ({})",
-    "propose_dflash": "propose (dflash: backbone + base draft)",
-    "propose_domino": "propose (domino: backbone + head loop)",
-    "step_ar": "engine step ar",
-    "step_dflash": "engine step dflash",
-    "step_domino": "engine step domino",
-    "head": "Domino head (propose domino - dflash)",
-}
-
-
-def _costs_graphs(result: dict[str, Any]) -> list[str]:
-    """The graph-vs-eager table and the static engines' warm-up, when variants beyond eager ran."""
-    variants = result["config"]["variants"]
-    if variants == ["eager"]:
-        return []
-    ratio = "graph" in variants
-    lines = [
-        "### Graph vs eager (ms)",
-        "",
-        "eager: the dynamic path; static: static-shape buckets run eagerly; graph: the buckets replayed as "
-        "CUDA graphs (on the CPU: the same as static). Only the eager column attends over `context` tokens: "
-        "static-shape forwards attend over the engine's whole cache capacity, whatever the context.",
-        "",
-        "| batch | context (eager) | capacity (static, graph) | part | "
-        + " | ".join(variants)
-        + (" | eager / graph |" if ratio else ""),
-        "|---|---|---|---|" + "---|" * (len(variants) + ratio),
-    ]
-    for r in result["rows"]:
-        for part, times in r["graph_vs_eager"].items():
-            if part.startswith("verify_"):
-                t = int(part.removeprefix("verify_"))
-                label = _PART_LABELS["verify"].format(t, "ar" if t == 1 else "domino")
-            else:
-                label = _PART_LABELS[part]
-            cells = " | ".join(f"{times[v]:.2f}" for v in variants)
-            extra = " |"
-            if ratio:  # the head is a difference of two times: it can be <= 0 on a noisy CPU
-                extra = f" | {times['eager'] / times['graph']:.2f}x |" if times["graph"] > 0 else " | – |"
-            cap = r.get("static_capacity") or "–"
-            lines.append(f"| {r['batch']} | {r['context']} | {cap} | {label} | {cells}{extra}")
-    if ratio:
-        lines += [
-            "",
-            "Projection from graph engine steps (tau * graph ar step / graph step): "
-            + "; ".join(
-                f"batch {r['batch']} context {r['context']}: Domino "
-                f"{r['projection']['domino']['speedup_graph']:.2f}x, DFlash "
-                f"{r['projection']['dflash']['speedup_graph']:.2f}x"
-                for r in result["rows"]
-            )
-            + ".",
-        ]
-    lines += [
-        "",
-        "### Static-shape warm-up (every bucket built, and on CUDA captured, at engine start)",
-        "",
-        "MiB: the warm-up report's (tensors alive after it); reserved: the allocator's growth over the "
-        "engine's build beyond its KV caches (graph pools included; 0 on the CPU).",
-        "",
-        "| batch | mode | variant | capacity | CUDA graphs | eager buckets | seconds | MiB | reserved MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for w in result["warmup"]:
-        lines.append(
-            f"| {w['batch']} | {w['mode']} | {w['variant']} | {w['capacity']} | {w['graphs']} | {w['eager']} | "
-            f"{w['seconds']:.2f} | {w['memory_mib']:.0f} | {w['pools_mib']:.0f} |"
-        )
-    return lines + [""]
-
-
-# -- bench.gpu_e2e -----------------------------------------------------------------------------
-
-
-def e2e_markdown(result: dict[str, Any]) -> str:
-    """bench.gpu_e2e's report: tokens/s, step time and speedup per engine, variant and tau."""
-    env, cfg, recs = result["environment"], result["config"], result["records"]
-    variants, planted = cfg["variants"], env["planted"]
-    both = "eager" in variants and "graph" in variants
-    baseline = recs[0].get("baseline", "ar") if recs else "ar"
-    per = " / ".join(variants)
-    lines = [
-        f"## End to end, oracle drafter: {env['device_name']}, {env['dtype']}, scale 1/{cfg['scale']}"
-        f" (layers 1/{cfg['layers_scale']})",
-        "",
-        f"Prompts of {cfg['prompt_len']} random tokens, {cfg['max_new_tokens']} new tokens per row, greedy, "
-        f"full blocks verified, capacity {max((r['capacity'] for r in recs), default='-')} (static-shape "
-        f"engines attend over all of it). The {cfg['mode']} drafter runs every step; its drafts are "
-        f"replaced by the planted target's own continuation, right for a scheduled number of slots "
-        f"(mean acceptance length tau; "
-        f"'expected' allows for each row's budget-cut last steps). Planted target ({planted['rule']}): greedy = "
-        f"the copy at {100 * planted['greedy_is_copy']:.1f} % of positions, smallest top-2 margin "
-        f"{planted['min_margin']:.2f}. tokens/s after the prefill (median of {cfg['repeats']}); speedup: "
-        f"tokens/s over {baseline}'s at the same batch. 'greedy ok': share of tokens equal to the target's "
-        "greedy choice (1.000 expected).",
-        "",
-        f"| batch | engine | tau target | tau expected | tau measured ({per}) | tok/s ({per}) | step ms ({per}) | "
-        f"speedup ({per}) |" + (" graph / eager |" if both else "") + " greedy ok |",
-        "|---|---|---|---|---|---|---|---|" + ("---|" if both else "") + "---|",
-    ]
-    keys = sorted({(r["batch"], r["mode"] != "ar", r["tau_target"]) for r in recs})
-    for batch, spec, tau in keys:
-        group = {
-            r["variant"]: r for r in recs if (r["batch"], r["mode"] != "ar", r["tau_target"]) == (batch, spec, tau)
-        }
-        rs = [group[v] for v in variants if v in group]
-
-        def cells(key: str, fmt: str, rs: list[dict[str, Any]] = rs) -> str:
-            return " / ".join(format(r.get(key, math.nan), fmt) for r in rs)
-
-        ratio = f" {group['graph']['tokens_per_s'] / group['eager']['tokens_per_s']:.2f}x |" if both else ""
-        lines.append(
-            f"| {batch} | {rs[0]['mode']} | {tau:g} | {rs[0]['tau_expected']:.2f} | {cells('tau', '.2f')} | "
-            f"{cells('tokens_per_s', '.1f')} | {cells('step_ms', '.2f')} | {cells('speedup', '.2f')} |{ratio} "
-            f"{min(r['copy_match'] for r in rs):.3f} |"
-        )
-    seen: set[tuple[int, str, str]] = set()
-    warm = []
-    for r in recs:
-        key = (r["batch"], r["mode"], r["variant"])
-        if r["warmup"] is not None and key not in seen:
-            seen.add(key)
-            w = r["warmup"]
-            warm.append(
-                f"batch {key[0]} {key[1]} {key[2]}: {w['graphs']} graphs + {w['eager']} eager buckets in "
-                f"{w['seconds']:.1f} s, {w['memory_mib']:.0f} MiB"
-            )
-    if warm:
-        lines += ["", "Static-shape warm-up: " + "; ".join(warm) + "."]
-    return "\n".join(lines + [""])
 
 
 # -- bench.load --------------------------------------------------------------------------------

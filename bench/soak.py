@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from bench.load_results import quantile
+from bench.report import write_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("greedy", "sampling", "stream", "cancel")
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **result,
     }
     result["ok"] = result["errors"] == 0 and result["in_flight"]["after_traffic"] == 0 and exit_code == 0
-    out.write_text(json.dumps(result, indent=2))
+    write_json(result, out)
     p99 = ", ".join("-" if w["p99_s"] is None else f"{w['p99_s'] * 1000:.0f}" for w in result["windows"])
     print(
         f"soak {args.minutes:g} min at concurrency {args.concurrency}: {result['requests']} requests, "

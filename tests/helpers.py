@@ -76,3 +76,31 @@ def tiny_drafter(domino: bool = True, seed: int = 1, std: float = 0.2, **kwargs:
             else:
                 p.normal_(0, std)
     return drafter.eval()
+
+
+def planted_records(
+    device: str, variants: list[str], taus: list[float], batch: int, max_new_tokens: int, max_model_len: int
+) -> list[dict[str, Any]]:
+    """bench.gpu_check.planted end to end at 1/16 width: `ar` (tau 1) and the oracle Domino drafter at each
+    tau, each engine variant built and run in turn on one planted target (the GPU check's e2e loop,
+    over variants). Each record carries its batch, mode, variant and static warm-up."""
+    from argparse import Namespace
+
+    from bench import common
+    from bench.gpu_check.planted import build_engine, build_planted, measure
+
+    args = Namespace(scale=16, layers_scale=9, device=device, dtype="auto", threads=0, seed=0, embed_rms=32.0)
+    target, drafter, planted, _ = build_planted(args)
+    assert planted["greedy_is_copy"] == 1.0, planted
+    prompts = torch.randint(0, target.vocab_size, (batch, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    records = []
+    with torch.inference_mode():
+        for mode in ("ar", "domino"):
+            for variant in variants:
+                engine = build_engine(target, drafter, mode, variant, batch, max_model_len)
+                warmup = common.static_warmup(engine)
+                for tau in [1.0] if mode == "ar" else taus:
+                    rec = {"batch": batch, "mode": mode, "variant": variant, "warmup": warmup}
+                    records.append(rec | measure(engine, prompts, tau, max_new_tokens, repeats=1))
+                del engine
+    return records

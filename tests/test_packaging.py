@@ -196,3 +196,21 @@ def test_no_import_cycles() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+TRACKED_TREE_LIMIT = 30 * 2**20  # the repository's bound on its tracked files; results are kept compact
+
+
+def test_tracked_tree_stays_under_its_limit() -> None:
+    """Every tracked file together (weights, data shards, results, plots) stays within 30 MiB: what
+    a clone and the device machine's upload carry. Benchmarks write compact JSON (gzipped where it
+    holds per-step samples), so publishing results does not creep past it."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, check=True).stdout
+    paths = [REPO_ROOT / p for p in listed.decode().split("\0") if p]
+    sizes = {p: p.stat().st_size for p in paths if p.is_file()}  # a deletion not yet committed is gone
+    total = sum(sizes.values())
+    largest = sorted(sizes, key=sizes.__getitem__, reverse=True)[:5]
+    assert total <= TRACKED_TREE_LIMIT, (
+        f"tracked files hold {total / 2**20:.2f} MiB, over {TRACKED_TREE_LIMIT / 2**20:.0f} MiB; largest: "
+        + ", ".join(f"{p.relative_to(REPO_ROOT)} ({sizes[p] / 2**20:.2f} MiB)" for p in largest)
+    )

@@ -1,4 +1,4 @@
-"""bench.gpu_check: the driver end to end at a tiny width on the CPU, its time boxes and deadline,
+"""bench.gpu_check.driver: the driver end to end at a tiny width on the CPU, its time boxes and deadline,
 the pytest subprocess, and the cache argument model/nn/target.py passes to the HF decoder."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from bench.gpu_check import BOXES, FILES, PARTS, Check, Skip, main, parse_args, part_boxes
+from bench.gpu_check.driver import BOXES, PARTS, main, parse_args, part_boxes
+from bench.gpu_check.parts import run_pytest
+from bench.gpu_check.state import FILES, Check, Skip
 from model.kv.target_cache import RaggedKVCache, check_cache_written
 from model.nn.target import TargetModel, cache_argument
 from tests.helpers import tiny_target
@@ -141,8 +143,6 @@ def test_the_deadline_is_shared_among_the_selected_parts() -> None:
 
 
 def test_pytest_runs_in_its_own_process_and_is_killed_at_its_limit(tmp_path: Path) -> None:
-    from bench.gpu_check_parts import run_pytest
-
     check = Check(parse_args(["--out", str(tmp_path)]))
     # Without CUDA the test is skipped: exit 0, its summary line parsed.
     run_pytest(check, "capture_failure", "capture_failure", 120)

@@ -423,8 +423,8 @@ def test_capture_failure_falls_back_to_eager() -> None:
 
 
 def test_gpu_costs_runs_on_cuda(tmp_path: Path) -> None:
-    from bench.gpu_costs import MODES as BENCH_MODES
-    from bench.gpu_costs import main
+    from bench.gpu_check.costs import MODES as BENCH_MODES
+    from bench.gpu_check.costs import main
 
     out = tmp_path / "costs.json"
     main(
@@ -448,22 +448,15 @@ def test_gpu_costs_runs_on_cuda(tmp_path: Path) -> None:
     assert all(t > 0 for times in row["graph_vs_eager"].values() for t in times.values())
 
 
-def test_gpu_e2e_runs_on_cuda(tmp_path: Path) -> None:
-    """The oracle run in bf16: the planted target stays greedy-exact through the graphs, and the
+def test_planted_oracle_runs_through_graphs_on_cuda() -> None:
+    """The oracle in bf16: the planted target stays greedy-exact through the graphs, and the
     acceptance lengths are exactly the scheduled ones."""
-    from bench.gpu_e2e import main
+    from tests.helpers import planted_records
 
-    out = tmp_path / "e2e.json"
-    main(
-        [
-            "--scale", "16", "--layers-scale", "4", "--device", "cuda", "--batch-sizes", "1,2",
-            "--prompt-len", "32", "--max-new-tokens", "40", "--max-model-len", "128", "--repeats", "1",
-            "--json", str(out),
-        ]
-    )  # fmt: skip
-    result = json.loads(out.read_text())
-    assert result["environment"]["planted"]["greedy_is_copy"] == 1.0
-    for r in result["records"]:
-        assert r["copy_match"] == 1.0 and r["tau"] == pytest.approx(r["tau_expected"]), r
-        if r["variant"] == "graph":
-            assert r["warmup"]["graphs"] > 0 and r["warmup"]["eager"] == 0, r
+    for batch in (1, 2):
+        for r in planted_records(
+            "cuda", ["eager", "graph"], [1.0, 4.0, 7.17], batch, max_new_tokens=40, max_model_len=128
+        ):
+            assert r["copy_match"] == 1.0 and r["tau"] == pytest.approx(r["tau_expected"]), r
+            if r["variant"] == "graph":
+                assert r["warmup"]["graphs"] > 0 and r["warmup"]["eager"] == 0, r

@@ -1,4 +1,4 @@
-"""summary.md of the GPU check (bench/gpu_check.py), from its records: the parts' status, the issue's
+"""summary.md of the GPU check (bench/gpu_check/driver.py), from its records: the parts' status, the issue's
 targets (met, or missed by how much), then a table per kind of measurement. Imports no torch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU check's correctness part (bench/gpu_check.py): at the check's model shape (full Qwen3-8B
+"""The GPU check's correctness part (bench/gpu_check/driver.py): at the check's model shape (full Qwen3-8B
 on the GPU) with the planted copy target, whose greedy next token needs attention over the cache.
 
 - teacher-forced: graph verify against eager (dynamic) verify against HF's own forward, logits of
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from bench import common
-from bench.gpu_check import Check
-from bench.gpu_e2e import COPY_OFFSET, build_engine, copy_match, oracle_of
+from bench.gpu_check.planted import COPY_OFFSET, build_engine, copy_match, oracle_of
+from bench.gpu_check.state import Check
 from model.engine.engine import Engine, SamplingParams
 
 WIDTHS = (1, 4, 12, 17)

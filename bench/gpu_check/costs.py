@@ -22,9 +22,9 @@ project's own code paths, and turns the times into projected speedups next to th
 Projected speedup = tau * t_target(1) / (t_draft + t_verify), with t_verify the target forward of
 B + 1 tokens for Domino (shift_label: B drafts + anchor) and B tokens for DFlash (B - 1 drafts).
 
-    python -m bench.gpu_costs                                # full size on CUDA, bf16
-    python -m bench.gpu_costs --scale 16 --device cpu        # every width / 16, on the CPU
-    python -m bench.gpu_costs --variants eager               # without the static / graph engines
+    python -m bench.gpu_check.costs                                # full size on CUDA, bf16
+    python -m bench.gpu_check.costs --scale 16 --device cpu        # every width / 16, on the CPU
+    python -m bench.gpu_check.costs --variants eager               # without the static / graph engines
 
 Random weights give random drafts, so acceptance is not measured here; tau comes from the paper.
 Step costs do not depend on acceptance (every verify runs all drafts; rollback is free).
@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from bench import common
-from bench.report import costs_markdown, run_and_report
+from bench.gpu_check.costs_report import costs_markdown
+from bench.report import run_and_report
 from model.engine.engine import Engine, SamplingParams
 from model.engine.sampling import SamplingBatch
 from model.nn.drafter import Drafter, count_parameters, new_context_cache

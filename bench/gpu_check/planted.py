@@ -1,4 +1,5 @@
-"""End-to-end decoding speed at Qwen3-8B / Domino-b16 shapes with acceptance forced to a chosen tau.
+"""End-to-end decoding at Qwen3-8B / Domino-b16 shapes with acceptance forced to a chosen tau: what
+the GPU check's correctness and e2e parts (bench/gpu_check/parts.py) decode with.
 
 Random weights accept nothing, so the target is given a planted greedy rule and the drafts are
 made to follow it for a scheduled number of slots:
@@ -15,16 +16,12 @@ made to follow it for a scheduled number of slots:
   a_s = floor((s + 1)(tau - 1)) - floor(s (tau - 1)): acceptance length tau on average, exactly (a
   row's last steps are cut by its token budget; `tau_expected` allows for it).
 
-Every engine decodes the same prompts at batch size B (all rows admitted in one prefill, equal
-budgets, so they finish together); tokens/s counts the tokens after each row's first over the time
-after the prefill. Engines: `ar` and the oracle in `--mode` (domino: head on), each as `eager` (the
-dynamic path), `static` (static-shape buckets run eagerly) and `graph` (the buckets replayed as
-CUDA graphs; on the CPU the same code as static). Speedups are against the graph-captured `ar`.
-Static-shape engines attend over their whole capacity (--max-model-len + B + 2, 2048 by default),
-so a short run is not made cheaper by a small cache.
-
-    python -m bench.gpu_e2e                                          # full size on CUDA, bf16
-    python -m bench.gpu_e2e --scale 16 --layers-scale 4 --device cpu --max-new-tokens 40 --repeats 1
+`measure` decodes the same prompts at batch size B (all rows admitted in one prefill, equal budgets,
+so they finish together); tokens/s counts the tokens after each row's first over the time after the
+prefill. Engines (`build_engine`): `ar` or the oracle, as `eager` (the dynamic path), `static`
+(static-shape buckets run eagerly) or `graph` (the buckets replayed as CUDA graphs; on the CPU the
+same code as static). Static-shape engines attend over their whole capacity, so a short run is not
+made cheaper by a small cache.
 """
 
 from __future__ import annotations
@@ -32,21 +29,17 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from bench import common
-from bench.report import e2e_markdown, run_and_report
 from model.engine.engine import Engine, SamplingParams
 from model.engine.proposers import DraftProposer, Row
 from model.engine.sampling import SamplingBatch
 from model.nn.drafter import Drafter, DraftResult
 from model.nn.target import TargetModel
-
-DEFAULT_TAUS = (1.0, 4.0, 7.17)  # no acceptance, a middling drafter, the published Domino tau
-
 
 # -- the planted target ------------------------------------------------------------------------
 
@@ -344,103 +337,3 @@ def build_planted(args: argparse.Namespace) -> tuple[TargetModel, Drafter, dict[
     plant_copy(target, args.seed, args.embed_rms)
     planted = check_planted(target, args.seed + 1)
     return target, drafter, planted, time.perf_counter() - t0
-
-
-def run(args: argparse.Namespace, on_batch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Every engine at every batch size; `on_batch` gets the results so far after each batch size."""
-    target, drafter, planted, build_s = build_planted(args)
-    device, dtype = target.device, target.dtype
-    records: list[dict[str, Any]] = []
-
-    def result(complete: bool) -> dict[str, Any]:
-        add_ratios(records)
-        env = common.measured_on(device, dtype, build_s, planted=planted)
-        return {
-            "complete": complete,
-            "config": common.flags(args),
-            "environment": env,
-            "shapes": common.scaled_shapes(args.scale, args.layers_scale),
-            "records": records,
-        }
-
-    gen = torch.Generator().manual_seed(args.seed)
-    with torch.inference_mode():
-        for batch in args.batch_sizes:
-            prompts = torch.randint(0, target.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-            for mode in ("ar", args.mode):
-                for variant in args.variants:
-                    # Engines are built and run one at a time: each sets the target's taps and the
-                    # drafter's head flag for itself, and brings its own caches (and graphs).
-                    engine = build_engine(target, drafter, mode, variant, batch, args.max_model_len)
-                    warmup = common.static_warmup(engine)
-                    for tau in [1.0] if mode == "ar" else args.taus:
-                        rec = {"batch": batch, "mode": mode, "variant": variant, "warmup": warmup}
-                        rec |= measure(engine, prompts, tau, args.max_new_tokens, args.repeats)
-                        records.append(rec)
-                    del engine
-                    common.free_memory(device)
-            if on_batch is not None:
-                on_batch(result(complete=False))
-    return result(complete=True)
-
-
-def add_ratios(records: list[dict[str, Any]]) -> None:
-    """tokens/s over the baseline's: graph-captured ar where it ran, else eager ar (same batch)."""
-    for rec in records:
-        base = {r["variant"]: r for r in records if r["batch"] == rec["batch"] and r["mode"] == "ar"}
-        ref = base.get("graph") or base.get("eager") or next(iter(base.values()), None)
-        if ref is None:
-            continue
-        rec["baseline"] = f"{ref['variant']} ar"
-        rec["speedup"] = rec["tokens_per_s"] / ref["tokens_per_s"]
-
-
-def parse_floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_shape_args(p)
-    p.add_argument("--mode", default="domino", choices=["domino", "dflash"], help="the drafter's mode")
-    p.add_argument("--taus", type=parse_floats, default=list(DEFAULT_TAUS), help="mean acceptance lengths")
-    p.add_argument("--batch-sizes", type=common.parse_ints, default=[1, 4])
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=2048,
-        help="the engines' context limit: static-shape forwards attend over all of it (capacity = this + B + 2)",
-    )
-    p.add_argument(
-        "--variants",
-        type=common.parse_names,
-        default=["eager", "graph"],
-        help=f"engine variants, of {','.join(common.VARIANTS)}",
-    )
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--embed-rms", type=float, default=32.0, help="per-element RMS of the planted embeddings")
-    common.add_output_args(p)
-    args = p.parse_args(argv)
-    if args.repeats < 1 or args.prompt_len < COPY_OFFSET or args.max_new_tokens < 2:
-        p.error(
-            f"--repeats must be >= 1, --prompt-len >= {COPY_OFFSET} (the planted copy's offset), --max-new-tokens >= 2"
-        )
-    if args.prompt_len + args.max_new_tokens > args.max_model_len:
-        p.error("--prompt-len + --max-new-tokens must fit in --max-model-len")
-    if not args.batch_sizes or min(args.batch_sizes) < 1 or not args.taus or min(args.taus) < 1:
-        p.error("--batch-sizes need positive values and --taus values >= 1")
-    unknown = set(args.variants) - set(common.VARIANTS)
-    if unknown or not args.variants:
-        p.error(f"--variants: unknown {sorted(unknown)}; choose from {list(common.VARIANTS)}")
-    args.variants = [v for v in common.VARIANTS if v in args.variants]
-    return args
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return run_and_report(parse_args(argv), run, e2e_markdown)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The GPU check: one process that measures what docs/benchmarks.md owes for the static-shape /
 CUDA-graph path, inside one short device command, and keeps whatever it measured if it is killed.
 
-Parts, in order (bench/gpu_check_parts.py; `--parts` picks some):
+Parts, in order (bench/gpu_check/parts.py; `--parts` picks some):
   env          versions, GPU clocks, the decoder's cache argument, the SDPA backend (then pinned);
   correctness  graph verify vs eager vs HF forward (teacher-forced), greedy identity graph / eager /
                HF generate with rows joining and leaving, no bucket fell back to eager;
@@ -37,18 +37,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TextIO
 
 from bench.common import parse_ints, parse_names
-from bench.report import json_ready
+from bench.gpu_check.parts import PART_FUNCTIONS
+from bench.gpu_check.state import FILES, Check, PartTimeout, Skip
+from bench.gpu_check.summary import summary_markdown
 
 PARTS = ("env", "correctness", "timings", "e2e", "cuda_tests")
 # Seconds per part at the default deadline (GPU), the model build inside the first part that needs
@@ -56,16 +57,6 @@ PARTS = ("env", "correctness", "timings", "e2e", "cuda_tests")
 # gives them all of its deadline; a slow CPU run passes a longer one); --boxes overrides one.
 DEADLINE = 420.0
 BOXES = {"env": 10, "correctness": 110, "timings": 80, "e2e": 120, "cuda_tests": 100}
-FILES = ("results.jsonl", "log.txt", "summary.md")
-
-
-class PartTimeout(BaseException):
-    """Raised in the main thread when a part's box runs out. A BaseException, so that code which
-    catches Exception (StaticFunction's capture fallback, say) does not swallow it."""
-
-
-class Skip(Exception):
-    """A part that cannot run here (no CUDA device, say): recorded with its reason, not a failure."""
 
 
 class Tee:
@@ -90,44 +81,6 @@ class Tee:
 
     def fileno(self) -> int:
         return self.stream.fileno()
-
-
-class Check:
-    """One run's state: flags, the output files, the deadline, the records so far, and what the
-    parts share (the planted model, the SDPA backends)."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + args.deadline
-        self.part_deadline = self.deadline  # set by run_part: the running part's box ends here
-        self.records: list[dict[str, Any]] = []
-        self.part = ""
-        self.shared: dict[str, Any] = {}
-        self._results = (self.out / FILES[0]).open("w")
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def part_remaining(self) -> float:
-        return min(self.deadline, self.part_deadline) - time.monotonic()
-
-    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Append one measurement to results.jsonl now (flushed and fsynced)."""
-        rec = {"part": self.part, "kind": kind, "t_s": round(self.elapsed(), 2), **fields}
-        self.records.append(rec)
-        self._results.write(json.dumps(json_ready(rec), default=str) + "\n")
-        self._results.flush()
-        os.fsync(self._results.fileno())
-        return rec
-
-    def close(self) -> None:
-        self._results.close()
 
 
 @contextlib.contextmanager
@@ -172,8 +125,6 @@ def run_part(check: Check, name: str, fn: Callable[[Check], None], box: float) -
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - a failed part must not stop the next one
-            import traceback
-
             traceback.print_exc()
             fields = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     rec = check.record("part", name=name, box_s=round(limit, 1), seconds=round(time.monotonic() - t0, 2), **fields)
@@ -198,8 +149,6 @@ def start_watchdog(check: Check, grace: float) -> threading.Timer:
 
 
 def write_summary(check: Check) -> None:
-    from bench.gpu_check_report import summary_markdown
-
     (check.out / FILES[2]).write_text(summary_markdown(check.records, check.args))
 
 
@@ -233,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--embed-rms", type=float, default=32.0, help="per-element RMS of the planted embeddings")
-    # Sizes: None means the device's default (bench/gpu_check_parts.py: SIZES).
+    # Sizes: None means the device's default (bench/gpu_check/parts.py: SIZES).
     p.add_argument("--capacities", type=parse_ints, default=None, help="verify capacities: the first all T x batch")
     p.add_argument("--batch-sizes", type=parse_ints, default=None, help="timing and e2e batch sizes")
     p.add_argument("--repeats", type=int, default=None, help="timed replays per measurement")
@@ -259,8 +208,6 @@ def main(argv: list[str] | None = None, parts: dict[str, Callable[[Check], None]
     watchdog = start_watchdog(check, grace=20.0)
     try:
         if parts is None:
-            from bench.gpu_check_parts import PART_FUNCTIONS
-
             parts = PART_FUNCTIONS
         boxes = part_boxes(args)
         print(f"gpu_check: deadline {args.deadline:.0f} s, boxes {boxes}, out {check.out}", flush=True)
@@ -278,11 +225,3 @@ def main(argv: list[str] | None = None, parts: dict[str, Callable[[Check], None]
         log.close()
         check.close()
     return check.records
-
-
-if __name__ == "__main__":
-    # Through the imported module, not __main__: the parts catch bench.gpu_check's PartTimeout and
-    # raise its Skip, which must be the very classes run_part catches.
-    from bench.gpu_check import main as _main
-
-    _main()

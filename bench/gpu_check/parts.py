@@ -1,10 +1,10 @@
-"""The parts of the GPU check (bench/gpu_check.py runs them in this order, each in its time box).
+"""The parts of the GPU check (bench/gpu_check/driver.py runs them in this order, each in its time box).
 
 Every part records each measurement as soon as it has it (`check.record`), so a part cut off by its
-box keeps what it measured. The planted Qwen3-8B-shaped target (bench.gpu_e2e.plant_copy: the next
+box keeps what it measured. The planted Qwen3-8B-shaped target (bench/gpu_check/planted.py: the next
 token is the one 32 positions back, so a match needs attention over the KV cache) is built once,
 by the first part that needs it, and shared. The greedy-identity and teacher-forced checks live in
-bench/gpu_check_correctness.py.
+bench/gpu_check/correctness.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +27,9 @@ import transformers
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Model
 
 from bench import common
-from bench.gpu_check import Check, PartTimeout, Skip
-from bench.gpu_e2e import build_engine, build_planted, measure, oracle_of
+from bench.gpu_check.correctness import greedy_identity, teacher_forced
+from bench.gpu_check.planted import build_engine, build_planted, measure, oracle_of
+from bench.gpu_check.state import Check, PartTimeout, Skip
 from model.engine.engine import Engine
 from model.engine.sampling import SamplingBatch
 from model.engine.static import StaticFunction, bucket_for, verify_widths
@@ -193,8 +193,6 @@ def part_env(check: Check) -> None:
 
 
 def part_correctness(check: Check) -> None:
-    from bench.gpu_check_correctness import greedy_identity, teacher_forced
-
     target, drafter = model(check)
     with pinned(check):
         sz = sizes(check)
@@ -324,7 +322,7 @@ def run_pytest(check: Check, name: str, selection: str, limit: float) -> None:
            "-k", selection]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.monotonic()
-    root = Path(__file__).resolve().parents[1]
+    root = common.REPO
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root,
                             start_new_session=True)  # fmt: skip
     kill = threading.Timer(max(limit, 1.0), lambda: os.killpg(proc.pid, signal.SIGKILL))
