@@ -30,7 +30,7 @@ def time_forwards(
     for name, target in targets.items():
         cache = target.new_cache(batch, context + max(tokens) + 1)
         target.forward(cache, 0, torch.randint(0, vocab, (batch, context)), want_features=False)
-        cache.lengths[:batch] = context
+        cache.set_lengths(0, [context] * batch)
         caches[name] = cache
     samples: dict[str, dict[int, list[float]]] = {name: {t: [] for t in tokens} for name in targets}
     for _ in range(repeats):

@@ -104,3 +104,10 @@ def planted_records(
                     records.append(rec | measure(engine, prompts, tau, max_new_tokens, repeats=1))
                 del engine
     return records
+
+
+def assert_lengths_mirrored(engine: Any) -> None:
+    """Each of the engine's caches holds the same lengths on the host as on the device, every slot."""
+    for cache in (engine.cache, engine.draft_cache):
+        if cache is not None:
+            assert cache.host_lengths == cache.lengths.tolist(), (type(cache).__name__, cache.host_lengths)

@@ -111,8 +111,8 @@ def measure_forwards(
     out: dict[int, dict[str, Any]] = {}
     for ctx in contexts:
         # Rows look ctx tokens long: forwards attend over a full context (buffer content is zeros).
-        cache.lengths[:batch] = ctx
-        dcache.lengths[:batch] = ctx
+        cache.set_lengths(0, [ctx] * batch)
+        dcache.set_lengths(0, [ctx] * batch)
         row: dict[str, Any] = {"target_ms": {}}
         for t in tokens:
             ids = torch.randint(0, vocab, (batch, t), device=device, generator=gen)
@@ -137,8 +137,8 @@ def measure_forwards(
         counts = torch.full((batch,), b + 1, dtype=torch.long, device=device)
 
         def append(features: torch.Tensor = features, counts: torch.Tensor = counts, ctx: int = ctx) -> None:
-            drafter.append_context(dcache, 0, features, counts)
-            dcache.lengths[:batch] = ctx  # undo the advance so every repeat appends at ctx
+            drafter.append_context(dcache, 0, features, counts, [b + 1] * batch)
+            dcache.set_lengths(0, [ctx] * batch)  # undo the advance so every repeat appends at ctx
 
         row["append_ms"] = timed(append)
         out[ctx] = row
@@ -148,9 +148,9 @@ def measure_forwards(
 def measure_calls(engine: Engine, batch: int, ctx: int, timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
     """The engine's own verify (T = 1 for ar, T = W + 1 with a drafter) and greedy proposal of a
     full block, at context ctx: through a static-shape bucket where the engine has them."""
-    engine.cache.lengths[:batch] = ctx  # neither call advances the caches
+    engine.cache.set_lengths(0, [ctx] * batch)  # neither call advances the caches
     if engine.draft_cache is not None:
-        engine.draft_cache.lengths[:batch] = ctx
+        engine.draft_cache.set_lengths(0, [ctx] * batch)
     gen = torch.Generator(device=engine.device).manual_seed(ctx)
     out: dict[str, Any] = {"verify_ms": {}}
     for t in [1] if engine.drafter is None else [engine.max_drafts_per_step + 1]:
@@ -203,10 +203,8 @@ def measure_engine(
         if device.type == "cuda":
             # The report counts tensors alive after warm-up; the graphs' private pools stay reserved
             # beyond that. Reserved growth over the engine's build minus its caches bounds both.
-            caches = [*engine.cache.keys, *engine.cache.values]
-            if engine.draft_cache is not None:
-                caches += [*engine.draft_cache.keys, *engine.draft_cache.values]
-            cache_bytes = sum(t.numel() * t.element_size() for t in caches)
+            caches = [engine.cache] + ([engine.draft_cache] if engine.draft_cache is not None else [])
+            cache_bytes = sum(c.nbytes for c in caches)
             grown = torch.cuda.memory_reserved(device) - reserved
             info["warmup"]["pools_mib"] = (grown - cache_bytes) / 2**20
     prompt_len = 4
@@ -220,9 +218,9 @@ def measure_engine(
     for ctx in contexts:
 
         def step(ctx: int = ctx) -> None:
-            engine.cache.lengths[:batch] = ctx
+            engine.cache.set_lengths(0, [ctx] * batch)
             if engine.draft_cache is not None:
-                engine.draft_cache.lengths[:batch] = ctx
+                engine.draft_cache.set_lengths(0, [ctx] * batch)
             engine.step()
 
         ms = timed(step)

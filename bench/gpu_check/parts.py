@@ -218,9 +218,9 @@ def part_timings(check: Check) -> None:
             engine = Engine(target, drafter, mode="domino", max_batch_size=max(batches), draft_policy="fixed",
                             max_model_len=cap - block - 1, static_shapes=False)  # fmt: skip
             ctx = engine.cache.capacity - 2 * (block + 1)  # nearly full: eager attends over about as much
-            engine.cache.lengths[:] = ctx
+            engine.cache.set_lengths(0, [ctx] * engine.cache.num_slots)
             assert engine.draft_cache is not None
-            engine.draft_cache.lengths[:] = ctx
+            engine.draft_cache.set_lengths(0, [ctx] * engine.draft_cache.num_slots)
             base = {"capacity": engine.cache.capacity, "context": ctx}
             for rb in batches:
                 for t in widths:

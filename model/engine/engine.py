@@ -114,6 +114,15 @@ def _check_drafter(mode: str, drafter: Drafter | None) -> None:
         raise ValueError("mode 'domino' needs a Domino drafter (projector_type 'domino'); use 'dflash'")
 
 
+def cache_layout(max_batch_size: int, max_model_len: int, scratch: int, static_shapes: bool) -> tuple[int, int]:
+    """(slots, capacity) of the engine's caches, the one place they are worked out. Capacity: the
+    longest allowed context plus room for `scratch` tokens written behind it (a full block of draft
+    keys, or a verify's drafts) and the anchor. Slots: the batch, or with static shapes the largest
+    batch bucket, since padded batches use rows up to it."""
+    slots = batch_buckets(max_batch_size)[-1] if static_shapes else max_batch_size
+    return slots, max_model_len + scratch + 1
+
+
 def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
     """Split prompts sorted by length into consecutive groups [a, b), one forward each, so that
     padded tokens plus `split_tokens` per forward (what one more forward costs, in prompt tokens)
@@ -189,11 +198,10 @@ class Engine:
         )
         self.capture = bool(capture_taps)
         self.want_features = self.drafter is not None or self.capture
-        # Room for a full block of scratch keys behind the longest allowed context.
-        capacity = cfg.max_model_len + max(block, self.max_drafts_per_step) + 1
-        # Static shapes (default on CUDA): padded batches use slots up to the largest batch bucket.
         self.static_shapes = self.device.type == "cuda" if cfg.static_shapes is None else cfg.static_shapes
-        slots = batch_buckets(cfg.max_batch_size)[-1] if self.static_shapes else cfg.max_batch_size
+        slots, capacity = cache_layout(
+            cfg.max_batch_size, cfg.max_model_len, max(block, self.max_drafts_per_step), self.static_shapes
+        )
         self.cache = target.new_cache(slots, capacity)
         self.draft_cache = (
             new_context_cache(self.drafter.config, slots, capacity, target.dtype, self.device)
@@ -521,7 +529,6 @@ class Engine:
         starts = [cached[id(r)] for r in new]
         lengths = [len(r.prompt_ids) - n for r, n in zip(new, starts)]  # tokens forwarded per row
         lens = torch.tensor(lengths, device=self.device)
-        start_t = torch.tensor(starts, device=self.device)
         for i, row in enumerate(new):
             row.stats.cached_prompt_tokens = starts[i]
             if self.prefix_cache is not None and starts[i]:
@@ -533,7 +540,7 @@ class Engine:
             tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=self.device)
             for i in range(a, b):
                 tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids[starts[i] :], device=self.device)
-            self.cache.lengths[lo + a : lo + b] = start_t[a:b]
+            self.cache.set_lengths(lo + a, starts[a:b])
             scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None]
             out = self.target.forward(
                 self.cache,
@@ -561,13 +568,13 @@ class Engine:
             for i, (row, tok) in enumerate(zip(new, first))
         ]
         # All work is done: now advance the caches.
-        self.cache.lengths[lo : lo + len(new)] = start_t + lens
+        self.cache.set_lengths(lo, [s + n for s, n in zip(starts, lengths)])
         if self.drafter is not None:
             assert self.draft_cache is not None
             for (a, b), feats in zip(groups, features):
                 assert feats is not None
-                self.draft_cache.lengths[lo + a : lo + b] = start_t[a:b]
-                self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b])
+                self.draft_cache.set_lengths(lo + a, starts[a:b])
+                self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b], lengths[a:b])
         if self.prefix_cache is not None:
             for i, row in enumerate(new):
                 self.prefix_cache.store(lo + i, row.prompt_ids)
@@ -719,23 +726,24 @@ class Engine:
             else None
             for i, row in enumerate(step.rows)
         ]
-        self._advance(step.lo, step.hi, out, accepted)
+        self._advance(step.lo, step.hi, out, accepted, results.accepted)
         return results
 
-    def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor) -> None:
+    def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor, host_accepted: list[int]) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply
-        not counted). The drafter's context first, rolled back if it fails: the target cache then
-        moves only once nothing can fail, so a retry of this step (step() retries row by row) starts
-        where it did."""
+        not counted; the host lengths from `host_accepted`, already read with the step's results).
+        The drafter's context first, rolled back if it fails: the target cache then moves only once
+        nothing can fail, so a retry of this step (step() retries row by row) starts where it did."""
+        counts = [a + 1 for a in host_accepted]
         if self.drafter is not None:
             assert self.draft_cache is not None and out.features is not None
-            draft_lengths = self.draft_cache.lengths[lo:hi].clone()
+            draft_lengths = self.draft_cache.host_lengths[lo:hi]
             try:
-                self.drafter.append_context(self.draft_cache, lo, out.features, accepted + 1)
+                self.drafter.append_context(self.draft_cache, lo, out.features, accepted + 1, counts)
             except BaseException:
-                self.draft_cache.lengths[lo:hi] = draft_lengths
+                self.draft_cache.set_lengths(lo, draft_lengths)
                 raise
-        self.cache.lengths[lo:hi] += accepted + 1
+        self.cache.advance(lo, accepted + 1, counts)
 
     def _emit(
         self, step: StepState, out: TargetOutput, proposals: Proposals, choice: StepChoice, results: StepResults

@@ -141,11 +141,6 @@ class StaticSteps:
         self.propose: dict[int, StaticFunction] = {}
         self.report: WarmupReport | None = None
 
-    @property
-    def max_slots(self) -> int:
-        """Cache slots the engine must allocate: padded batches use rows up to the largest bucket."""
-        return self.batch_sizes[-1]
-
     def warm_up(self) -> WarmupReport:
         """Build (and on CUDA capture) every bucket now, at start-up, not under the first requests."""
         t0 = time.perf_counter()

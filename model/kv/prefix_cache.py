@@ -11,22 +11,18 @@ its end and holds its own tokens and its parent's key, which a lookup checks, so
 can never reuse another prompt's prefix. Blocks are evicted least recently used first; a lookup
 refreshes a chain from its end to its root, so a block never outlives its parent.
 
-It caches the slabs of any number of caches alike (the target's RaggedKVCache and the drafter's
-DraftContextCache: per layer, `keys[l]` / `values[l]` of [slots, kv_heads, capacity, head_dim]).
+It caches the rows of any number of caches alike (the target's RaggedKVCache and the drafter's
+DraftContextCache), through the KV room's interface (model/kv/slots.py: `row_kv`, `put_row_kv`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-
-class SlotCache(Protocol):
-    keys: list[torch.Tensor]  # per layer [slots, kv_heads, capacity, head_dim]
-    values: list[torch.Tensor]
+from model.kv.slots import SlotKV
 
 
 @dataclass
@@ -39,7 +35,7 @@ class CachedBlock:
 class PrefixCache:
     """Block-granular store of prompt keys/values; at most `max_tokens` tokens are kept."""
 
-    def __init__(self, caches: list[SlotCache], block_size: int, max_tokens: int) -> None:
+    def __init__(self, caches: list[SlotKV], block_size: int, max_tokens: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.caches = caches
@@ -79,13 +75,9 @@ class PrefixCache:
         """Copy these blocks (a chain from `lookup`) into positions 0.. of `slot`; returns the tokens."""
         if not keys:
             return 0
-        n = len(keys) * self.block_size
         for c, cache in enumerate(self.caches):
-            kv = torch.cat([self.blocks[key].kv[c] for key in keys], dim=3)  # [layers, 2, kv, n, hd]
-            for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
-                k[slot, :, :n] = kv[layer, 0]
-                v[slot, :, :n] = kv[layer, 1]
-        return n
+            cache.put_row_kv(slot, 0, torch.cat([self.blocks[key].kv[c] for key in keys], dim=3))
+        return len(keys) * self.block_size
 
     def store(self, slot: int, prompt: list[int]) -> None:
         """Keep the blocks of a prompt just prefilled into `slot` that are not stored yet."""
@@ -99,11 +91,7 @@ class PrefixCache:
             if block is not None and (block.tokens != tokens or block.parent != parent):
                 break  # a hash collision: leave the stored chain alone
             if block is None:
-                lo, hi = i * b, (i + 1) * b
-                kv = [
-                    torch.stack([torch.stack([k[slot, :, lo:hi], v[slot, :, lo:hi]]) for k, v in zip(c.keys, c.values)])
-                    for c in self.caches
-                ]
+                kv = [c.row_kv(slot, i * b, (i + 1) * b) for c in self.caches]
                 self.blocks[key] = CachedBlock(tokens, parent, kv)
             parent = key
         for key, _ in reversed(chain):

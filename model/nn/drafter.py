@@ -292,11 +292,20 @@ class Drafter(nn.Module):
         self.refresh_lm_head(lm_head_weight)
 
     def refresh_lm_head(self, lm_head_weight: torch.Tensor) -> None:
-        if self.config.draft_vocab_size is not None:
-            # A restricted draft vocabulary keeps only those LM-head rows: verification still uses
-            # the full vocabulary, so this only changes what can be proposed.
-            lm_head_weight = lm_head_weight[self.draft_vocab_ids.to(lm_head_weight.device)]
-        self._lm_head_weight = lm_head_weight
+        if self.config.draft_vocab_size is None:
+            self._lm_head_weight = lm_head_weight  # borrowed, like the embedding
+            return
+        # A restricted draft vocabulary keeps only those LM-head rows: verification still uses the
+        # full vocabulary, so this only changes what can be proposed.
+        rows = lm_head_weight[self.draft_vocab_ids.to(lm_head_weight.device)]
+        old = self._lm_head_weight
+        if old is not None and (old.shape, old.dtype, old.device) == (rows.shape, rows.dtype, rows.device):
+            # In place: every engine built over this drafter binds it again, and the CUDA graphs an
+            # earlier engine captured read this tensor's memory; a new one would free it under them.
+            with torch.inference_mode() if old.is_inference() else torch.no_grad():
+                old.copy_(rows)
+        else:
+            self._lm_head_weight = rows
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         assert self._embed_weight is not None, "call bind_target() first"
@@ -364,16 +373,19 @@ class Drafter(nn.Module):
         return self.norm(x)
 
     # -- inference ----------------------------------------------------------------------------
-    def append_context(self, cache: DraftContextCache, lo: int, features: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append newly committed tokens' features [R, T, K*H] (counts[r] <= T valid) to slots
-        lo..lo+R-1 at each row's current length."""
+    def append_context(
+        self, cache: DraftContextCache, lo: int, features: torch.Tensor, counts: torch.Tensor, host_counts: list[int]
+    ) -> None:
+        """Append newly committed tokens' features [R, T, K*H] (counts[r] <= T valid; `host_counts`
+        the same on the host) to slots lo..lo+R-1 at each row's current length."""
         r, t, _ = features.shape
-        start = cache.lengths[lo : lo + r]
+        start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(t, device=features.device)[None, :]
         context = self.project_context(features)
+        index = cache.scatter_index(lo, start, t)
         for i, (k, v) in enumerate(self.context_keys_values(context, positions)):
-            cache.write(i, lo, start, k, v)
-        cache.lengths[lo : lo + r] += counts
+            cache.write(i, index, k, v)
+        cache.advance(lo, counts, host_counts)
 
     def forward_block(
         self,
@@ -393,16 +405,17 @@ class Drafter(nn.Module):
         """
         r, b = block_tokens.shape
         dev = block_tokens.device
-        start = cache.lengths[lo : lo + r]
+        start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(b, device=dev)[None, :]
-        kv_len = cache.capacity if static else int(start.max()) + b
+        kv_len = cache.attended(lo, r, b, static)
         # Key j of row r is visible iff it is part of that row's context or its block.
         visible = torch.arange(kv_len, device=dev)[None, :] < (start[:, None] + b)
         mask = visible[:, None, None, :]
+        index = cache.scatter_index(lo, start, b)
 
         def combine(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            cache.write(layer, lo, start, k, v)
-            return cache.keys[layer][lo : lo + r, :, :kv_len], cache.values[layer][lo : lo + r, :, :kv_len]
+            cache.write(layer, index, k, v)
+            return cache.view(layer, lo, lo + r, kv_len)
 
         return self.run_layers(self.block_input(block_tokens), positions, combine, mask, num_outputs)
 

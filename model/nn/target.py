@@ -112,7 +112,7 @@ class TargetModel:
         position's final hidden state, for the caller to apply the LM head in chunks (prompt logprobs).
         """
         r, t = tokens.shape
-        start = cache.lengths[lo : lo + r]
+        start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]
         cache.prepare(lo, start, t, static=static)
         kv_len = cache.get_seq_length()

@@ -54,7 +54,7 @@ def test_target_uses_folded_attention_and_matches_stock_sdpa() -> None:
         cache = target.new_cache(max_slots=2, capacity=32)
         prompts = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
         target.forward(cache, 0, prompts, logits_at=torch.tensor([4, 4]))
-        cache.lengths[:2] = torch.tensor([5, 3])  # ragged rows
+        cache.set_lengths(0, [5, 3])  # ragged rows
         return target.forward(cache, 0, torch.tensor([[1, 2, 3, 4], [4, 3, 2, 1]])).logits
 
     folded = verify_logits()

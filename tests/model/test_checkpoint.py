@@ -276,7 +276,7 @@ def _block_hidden(drafter: Drafter) -> torch.Tensor:
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(2, 7, len(cfg.target_layer_ids) * cfg.hidden_size, generator=g)
     cache = new_context_cache(cfg, 2, 32, torch.float32, "cpu")
-    drafter.append_context(cache, 0, feats, torch.tensor([7, 4]))
+    drafter.append_context(cache, 0, feats, torch.tensor([7, 4]), [7, 4])
     block = torch.full((2, cfg.block_size), cfg.mask_token_id)
     block[:, 0] = ANCHORS
     return drafter.forward_block(cache, 0, block)

@@ -68,7 +68,8 @@ def _run_batch(
         padded = torch.zeros(r, t, feats[0].shape[1])
         for i, c in enumerate(chunks):
             padded[i, : len(c)] = c
-        drafter.append_context(cache, lo, padded, torch.tensor([len(c) for c in chunks]))
+        counts = [len(c) for c in chunks]
+        drafter.append_context(cache, lo, padded, torch.tensor(counts), counts)
     hidden = drafter.forward_block(cache, lo, block, num_outputs=num_outputs)
     return hidden, cache
 
@@ -78,7 +79,7 @@ def test_batched_drafting_equals_each_row_alone() -> None:
     lengths, anchors = [3, 11, 6], [5, 17, 99]
     feats, block = _context_and_blocks(drafter, lengths, anchors)
     hidden, cache = _run_batch(drafter, feats, block)
-    assert cache.lengths.tolist() == lengths
+    assert cache.lengths.tolist() == cache.host_lengths == lengths
     batched = drafter.draft(hidden, block[:, 0], _greedy(3))
     for i in range(3):
         alone_hidden, _ = _run_batch(drafter, [feats[i]], block[i : i + 1], lo=2)

@@ -16,7 +16,7 @@ from model.engine.sampling import SamplingBatch
 from model.kv.prefix_cache import CachedBlock
 from model.nn.drafter import DraftResult
 from model.nn.target import TargetModel
-from tests.helpers import tiny_drafter, tiny_target
+from tests.helpers import assert_lengths_mirrored, tiny_drafter, tiny_target
 
 MODES = ("ar", "dflash", "domino")
 
@@ -401,7 +401,8 @@ def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int) -> No
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         r = engine.num_running
         assert engine.draft_cache is not None
-        assert engine.draft_cache.lengths[:r].tolist() == engine.cache.lengths[:r].tolist()
+        assert engine.draft_cache.host_lengths[:r] == engine.cache.host_lengths[:r]
+        assert_lengths_mirrored(engine)
     assert calls > fail_at + 1
     assert [tokens[str(i)] for i in range(3)] == refs
 
@@ -488,13 +489,12 @@ def test_split_prefill_fills_both_caches_as_one_forward_does() -> None:
         engines.append(engine)
     split, whole = engines
     assert [r.request_id for r in split.rows] == [r.request_id for r in whole.rows]
-    assert split.cache.lengths.tolist() == whole.cache.lengths.tolist()
-    assert split.draft_cache.lengths.tolist() == whole.draft_cache.lengths.tolist()
-    for i, n in enumerate(whole.cache.lengths.tolist()):
-        for a, b in zip(split.cache.keys, whole.cache.keys):
-            torch.testing.assert_close(a[i, :, :n], b[i, :, :n], atol=1e-5, rtol=1e-5)
-        for a, b in zip(split.draft_cache.keys, whole.draft_cache.keys):
-            torch.testing.assert_close(a[i, :, :n], b[i, :, :n], atol=1e-5, rtol=1e-5)
+    assert split.cache.host_lengths == whole.cache.host_lengths
+    assert split.draft_cache.host_lengths == whole.draft_cache.host_lengths
+    for i, n in enumerate(whole.cache.host_lengths):
+        for cache in ("cache", "draft_cache"):
+            a, b = getattr(split, cache).row_kv(i, 0, n), getattr(whole, cache).row_kv(i, 0, n)
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def _shared_beginning_prompts() -> list[list[int]]:
@@ -536,14 +536,10 @@ def test_prefix_cache_fills_both_caches_as_a_full_prefill_does() -> None:
     reused, computed = engines
     assert reused.rows[0].stats.cached_prompt_tokens == 20 and computed.prefix_cache is None
     n = len(second)
-    assert reused.cache.lengths[0] == computed.cache.lengths[0] == n
-    assert reused.draft_cache.lengths[0] == computed.draft_cache.lengths[0] == n
-    for a, b in zip(reused.cache.keys + reused.cache.values, computed.cache.keys + computed.cache.values):
-        torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=1e-5)
-    for a, b in zip(
-        reused.draft_cache.keys + reused.draft_cache.values, computed.draft_cache.keys + computed.draft_cache.values
-    ):
-        torch.testing.assert_close(a[0, :, :n], b[0, :, :n], atol=1e-5, rtol=1e-5)
+    for cache in ("cache", "draft_cache"):
+        a, b = getattr(reused, cache), getattr(computed, cache)
+        assert a.host_lengths[0] == b.host_lengths[0] == int(a.lengths[0]) == n
+        torch.testing.assert_close(a.row_kv(0, 0, n), b.row_kv(0, 0, n), atol=1e-5, rtol=1e-5)
 
 
 def test_prefix_cache_evicts_to_its_budget_and_checks_tokens_not_just_hashes() -> None:

@@ -84,7 +84,7 @@ def test_training_logits_equal_inference_logits() -> None:
 
     cache = new_context_cache(cfg, 1, 64, torch.float32, "cpu")
     with torch.no_grad():
-        drafter.append_context(cache, 0, feats[:, :ctx_len], torch.tensor([ctx_len]))
+        drafter.append_context(cache, 0, feats[:, :ctx_len], torch.tensor([ctx_len]), [ctx_len])
         block = torch.full((1, cfg.block_size), cfg.mask_token_id)
         block[0, 0] = anchor
         hidden = drafter.forward_block(cache, 0, block)
