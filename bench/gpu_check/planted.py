@@ -36,7 +36,8 @@ import torch
 
 from bench import common
 from model.engine.engine import Engine, SamplingParams
-from model.engine.proposers import DraftProposer, Row
+from model.engine.proposers import DraftProposer
+from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
 from model.nn.drafter import Drafter, DraftResult
 from model.nn.target import TargetModel

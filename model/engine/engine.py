@@ -26,7 +26,7 @@ import torch
 
 from model.engine.config import EngineConfig
 from model.engine.costs import NgramAcceptance, prior_curve_for
-from model.engine.logits_processors import RowProcessor, new_row_processor, process_logits
+from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.ngram import NgramIndex
 from model.engine.policy import DraftPolicy, StepChoice
 from model.engine.proposers import DrafterProposer, DraftProposer, NgramProposer
@@ -39,12 +39,8 @@ from model.engine.requests import (
     StepTiming,
     TokenLogprob,
 )
-from model.engine.sampling import (
-    SamplingBatch,
-    greedy_ids,
-    processed_probs,
-    sample_with_uniform,
-)
+from model.engine.row import Row
+from model.engine.sampling import SamplingBatch, pick_tokens
 from model.engine.scheduler import Scheduler
 from model.engine.static import StaticSteps, batch_buckets, verify_widths
 from model.kv.prefix_cache import PrefixCache
@@ -52,24 +48,6 @@ from model.nn.drafter import Drafter, new_context_cache
 from model.nn.target import TargetModel, TargetOutput
 
 PROMPT_LOGPROB_CHUNK = 256  # prompt positions per LM-head call when scoring a prompt
-
-
-@dataclass
-class Row:
-    """One running or waiting request: its prompt, parameters, output so far and per-row state."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: np.random.Generator  # the row's uniforms (seed_generator)
-    stop_ids: frozenset[int]
-    output_ids: list[int] = field(default_factory=list)
-    anchor: int = -1
-    stats: RequestStats = field(default_factory=RequestStats)
-    aborted: bool = False
-    ngram: NgramIndex | None = None  # prompt + output, indexed for prompt lookup
-    ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
-    processor: RowProcessor | None = None  # logits processors and their state (None: plain sampling)
 
 
 @dataclass
@@ -233,7 +211,7 @@ class Engine:
             if self.drafter_proposer is not None:
                 self.drafter_proposer.static = self.static
         self.rows: list[Row] = []  # row i lives in cache slot i
-        self.scheduler: Scheduler[Row] = Scheduler(cfg.max_batch_size)
+        self.scheduler = Scheduler(cfg.max_batch_size)
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
 
@@ -424,28 +402,19 @@ class Engine:
             top_p=torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=dev),
             uniforms=uniforms,
-            host_all_greedy=all(r.params.temperature <= 0 for r in rows),
+            host_all_greedy=all(r.params.greedy for r in rows),
         )
 
     def _draw_uniforms(self, rows: list[Row], count: int) -> torch.Tensor:
         """`count` uniforms per sampling row from that row's own generator (a fixed number per step).
 
         Greedy rows get zeros and never touch their generators: no per-row work in greedy batches."""
-        sampled = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not sampled:
             return torch.zeros(len(rows), count, device=self.device)
         u = torch.zeros(len(rows), count)
         u[sampled] = torch.from_numpy(np.stack([rows[i].generator.random(count, dtype=np.float32) for i in sampled]))
         return u.to(self.device)
-
-    def _sample_target(self, logits: torch.Tensor, sampling: SamplingBatch, u: torch.Tensor) -> torch.Tensor:
-        """One token per row from target logits [R, V] (greedy rows: argmax)."""
-        ids = greedy_ids(logits)
-        if sampling.all_greedy:
-            return ids
-        temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-        probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p)
-        return torch.where(sampling.greedy, ids, sample_with_uniform(probs, u))
 
     def _logprobs(self, logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
         """Target log-probabilities (raw logits, before temperature) of committed tokens.
@@ -559,10 +528,9 @@ class Engine:
             logits_parts.append(out.logits[:, 0])
             features.append(out.features)
         logits = torch.cat(logits_parts)
-        sampling = self._sampling_batch(new, None)
-        u = self._draw_uniforms(new, 1)[:, 0]
+        sampling = self._sampling_batch(new, self._draw_uniforms(new, 1))
         scores = process_logits([r.processor for r in new], logits[:, None], None)[:, 0]
-        first = self._sample_target(scores, sampling, u).tolist()
+        first = pick_tokens(scores, sampling, slot=0)[0].tolist()
         logprobs = [
             self._logprobs(logits[i : i + 1], [tok], row.params.logprobs) if row.params.logprobs is not None else None
             for i, (row, tok) in enumerate(zip(new, first))
@@ -626,9 +594,9 @@ class Engine:
         rows = self.rows[lo:hi]
         # A seeded request must choose the same alone or in a batch: never pause drafting under it,
         # and always draft (and draw uniforms for) the full block.
-        any_seeded = any(row.params.seed is not None and row.params.temperature > 0 for row in rows)
+        any_seeded = any(row.params.seed is not None and not row.params.greedy for row in rows)
         full = any_seeded or not self.policy.adaptive
-        greedy_rows = [row.params.temperature <= 0 for row in rows]
+        greedy_rows = [row.params.greedy for row in rows]
         probe = self.policy.plain_probe(len(rows), greedy_rows)
         d = 0 if probe else self.policy.slots_to_draft(full)
         ngram_width = self.ngram_max_drafts if self.ngram and not probe else 0
@@ -755,7 +723,7 @@ class Engine:
             proposer = None if n_i == 0 else ("ngram" if choice.use_ngram[i] else "drafter")
             plan = proposals.plans[i]
             if proposer == "ngram" and plan is not None:
-                self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.temperature <= 0)
+                self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.greedy)
             output = self._commit(row, results.new_tokens[i], results.logprobs[i])
             row.anchor = results.bonus[i]
             st = row.stats

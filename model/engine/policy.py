@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
@@ -40,18 +39,12 @@ from model.engine.costs import (
     prior_verify,
 )
 from model.engine.ngram import NgramProposal
+from model.engine.row import Row
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
 # ~350 steps without copies), so a match length written off on old text is tried again.
 NGRAM_FADE = 0.998
-
-
-class PolicyRow(Protocol):
-    """What the policy reads of an engine row."""
-
-    params: Any  # SamplingParams: temperature
-    ngram_acceptance: NgramAcceptance | None
 
 
 @dataclass
@@ -126,7 +119,7 @@ class DraftPolicy:
         return self.num_drafts if full or not self.adaptive else self.draft_width
 
     def ngram_plans(
-        self, rows: Sequence[PolicyRow], proposals: Sequence[NgramProposal | None], width: int
+        self, rows: Sequence[Row], proposals: Sequence[NgramProposal | None], width: int
     ) -> list[NgramPlan | None]:
         """Each row's n-gram proposal (model/engine/proposers.py) with its expected acceptance per slot:
         greedy rows shrink their own record towards the engine-wide one; sampling rows use their own
@@ -140,7 +133,7 @@ class DraftPolicy:
                 plans.append(None)
                 continue
             n, slots = proposal.match_len, len(proposal.tokens)
-            if row.params.temperature > 0:
+            if not row.params.greedy:
                 est = record.estimate(n, slots, self.ngram_prior)
             else:
                 est = record.estimate(n, slots, self.ngram_acceptance.estimate(n, slots, self.ngram_prior))
@@ -317,7 +310,7 @@ class DraftPolicy:
         """Greedy rows that verified the drafter's drafts: confidence [R, k], verified [R], accepted [R]."""
         self.calibration.observe(confidence, num_drafts, accepted)
 
-    def observe_ngram(self, row: PolicyRow, plan: NgramPlan, verified: int, accepted: int, greedy: bool) -> None:
+    def observe_ngram(self, row: Row, plan: NgramPlan, verified: int, accepted: int, greedy: bool) -> None:
         """A row verified `verified` drafts of its copy and accepted the first `accepted`."""
         if row.ngram_acceptance is not None:
             row.ngram_acceptance.observe(plan.match_len, verified, accepted)

@@ -14,22 +14,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from model.engine.ngram import NgramProposal
+from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
 from model.kv.draft_cache import DraftContextCache
 from model.nn.drafter import Drafter, DraftResult
 
 if TYPE_CHECKING:
-    from model.engine.ngram import NgramIndex
     from model.engine.static import StaticSteps
-
-
-class Row(Protocol):
-    """What proposers read of an engine row (model.engine.engine.Row)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    ngram: NgramIndex | None
 
 
 class DraftProposer(Protocol):

@@ -44,6 +44,11 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that must not be generated
     grammar: Any = None  # model.engine.grammar.Grammar: its matcher masks the target; None: free text
 
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding (argmax): a temperature of 0. The one place this rule is written."""
+        return self.temperature <= 0
+
     def validate(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")

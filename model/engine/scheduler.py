@@ -6,38 +6,32 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import Generic, Protocol, TypeVar
+
+from model.engine.row import Row
 
 
-class Schedulable(Protocol):
-    aborted: bool
-
-
-R = TypeVar("R", bound=Schedulable)
-
-
-class Scheduler(Generic[R]):
+class Scheduler:
     def __init__(self, max_running: int) -> None:
         self.max_running = max_running
-        self.waiting: deque[R] = deque()
+        self.waiting: deque[Row] = deque()
 
     def __len__(self) -> int:
         return len(self.waiting)
 
-    def __iter__(self) -> Iterator[R]:
+    def __iter__(self) -> Iterator[Row]:
         return iter(self.waiting)
 
-    def add(self, row: R) -> None:
+    def add(self, row: Row) -> None:
         self.waiting.append(row)
 
-    def drop_aborted(self) -> list[R]:
+    def drop_aborted(self) -> list[Row]:
         """Waiting requests that were aborted, taken out of the queue."""
         gone = [r for r in self.waiting if r.aborted]
         for row in gone:
             self.waiting.remove(row)
         return gone
 
-    def admit(self, num_running: int) -> list[R]:
+    def admit(self, num_running: int) -> list[Row]:
         """The requests to start this step, oldest first, filling the free rows."""
         free = max(0, self.max_running - num_running)
         return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]

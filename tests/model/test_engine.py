@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from model.engine.engine import ContextLengthError, Engine, Row, SamplingParams
+from model.engine.engine import ContextLengthError, Engine, SamplingParams
+from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
 from model.kv.prefix_cache import CachedBlock
 from model.nn.drafter import DraftResult

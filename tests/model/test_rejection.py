@@ -1,0 +1,92 @@
+"""The rejection sampler on its own: drafts assembled from each row's chosen proposer, greedy and
+speculative-sampling acceptance with the bonus token, and the drafter's distributions per row."""
+
+from __future__ import annotations
+
+import torch
+
+from model.engine.policy import NgramPlan, StepChoice
+from model.engine.rejection import Drafts, Proposals, accept, assemble_drafts, draft_dists
+from model.engine.sampling import SamplingBatch
+from model.nn.drafter import DraftResult
+
+V = 8
+
+
+def _draft(tokens: list[list[int]], probs: torch.Tensor | None = None) -> DraftResult:
+    t = torch.tensor(tokens)
+    return DraftResult(t, torch.full(t.shape, 0.5), probs, torch.full(t.shape, 0.9))
+
+
+def _sampling(temperatures: list[float], uniforms: torch.Tensor) -> SamplingBatch:
+    r = len(temperatures)
+    return SamplingBatch(
+        torch.tensor(temperatures), torch.ones(r), torch.zeros(r, dtype=torch.long), uniforms,
+        host_all_greedy=all(t <= 0 for t in temperatures),
+    )  # fmt: skip
+
+
+def _scores(argmax: list[list[int]], margin: float = 20.0) -> torch.Tensor:
+    """Scores [R, T, V] whose argmax (and, by the margin, nearly all probability) is `argmax`."""
+    s = torch.zeros(len(argmax), len(argmax[0]), V)
+    for i, row in enumerate(argmax):
+        for j, tok in enumerate(row):
+            s[i, j, tok] = margin
+    return s
+
+
+def test_assemble_takes_each_rows_chosen_proposer() -> None:
+    # Rows 0..1 ran the drafter (span 0..2); row 1 and row 2 verify their n-gram copies instead.
+    plans = [None, NgramPlan([4, 4, 4], 3, torch.ones(3)), NgramPlan([6], 1, torch.ones(1))]
+    proposals = Proposals(plans, _draft([[1, 2, 3], [5, 5, 5]]), (0, 2))
+    choice = StepChoice(counts=[3, 2, 1], use_ngram=[False, True, True])
+    d = assemble_drafts(proposals, choice, d=3, device=torch.device("cpu"))
+    assert d.tokens.tolist() == [[1, 2, 3], [4, 4, 0], [6, 0, 0]]
+    assert d.token_probs.tolist() == [[0.5, 0.5, 0.5], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]  # a copy is one-hot
+    assert d.counts.tolist() == [3, 2, 1] and d.from_ngram.tolist() == [False, True, True]
+
+
+def test_greedy_rows_accept_while_the_draft_is_the_argmax_then_take_the_bonus() -> None:
+    drafts = Drafts(
+        torch.tensor([[1, 2, 3], [1, 9 % V, 3], [4, 4, 4]]), torch.ones(3, 3), torch.tensor([3, 3, 1]),
+        torch.zeros(3, dtype=torch.bool),
+    )  # fmt: skip
+    # Target argmax after [anchor, d1, d2, d3]: 1, 2, 3, then 7.
+    scores = _scores([[1, 2, 3, 7], [1, 2, 3, 7], [4, 5, 5, 5]])
+    proposals = Proposals([None] * 3, None, (0, 0))
+    sampling = _sampling([0.0, 0.0, 0.0], None)  # type: ignore[arg-type]
+    accepted, bonus = accept(scores, drafts, sampling, torch.zeros(3, 7), 3, proposals, True, None)
+    # Row 0: all three, bonus 7; row 1: the second draft (1) is not 2; row 2: its one draft, bonus 5.
+    assert accepted.tolist() == [3, 1, 1] and bonus.tolist() == [7, 2, 5]
+
+
+def test_sampling_rows_accept_what_the_target_would_draw_and_reject_what_it_never_would() -> None:
+    """Temperature 1, target mass all but certain on token 2 at every position: a copy of 2s is
+    accepted whatever the uniforms; a drafter draft of 5 (target probability ~e^-20) is rejected and
+    the residual draw is 2. Mixed with a greedy row in the same call."""
+    drafts = Drafts(
+        torch.tensor([[2, 2], [5, 2], [2, 2]]), torch.tensor([[1.0, 1.0], [0.9, 0.5], [1.0, 1.0]]),
+        torch.tensor([2, 2, 2]), torch.tensor([True, False, False]),
+    )  # fmt: skip
+    scores = _scores([[2, 2, 2]] * 3)
+    dist = torch.zeros(3, 2, V)
+    dist[:, :, 5], dist[:, :, 2] = 0.9, 0.1
+    proposals = Proposals([None] * 3, _draft([[5, 2], [5, 2], [5, 2]], dist), (0, 3))
+    for seed in range(5):
+        u = torch.rand(3, 5, generator=torch.Generator().manual_seed(seed))
+        sampling = _sampling([1.0, 1.0, 0.0], u)
+        accepted, bonus = accept(scores, drafts, sampling, u, 2, proposals, True, None)
+        assert accepted.tolist() == [2, 0, 2] and bonus.tolist() == [2, 2, 2], seed
+
+
+def test_draft_dists_give_rows_the_drafter_did_not_draft_zeros() -> None:
+    probs = torch.rand(2, 3, V)
+    draft = _draft([[1, 1, 1], [2, 2, 2]], probs)
+    s = torch.tensor([0, 2, 3])  # sampling rows; the drafter drafted rows 1..2 (span 1..3)
+    full = draft_dists(draft, s, 1, 3, d=3, k=2)
+    assert full is not None and full.shape == (3, 2, V)
+    assert torch.equal(full[0], torch.zeros(2, V)) and torch.equal(full[2], torch.zeros(2, V))
+    assert torch.equal(full[1], probs[1, :2])
+    inside = draft_dists(draft, torch.tensor([1, 2]), 1, 3, d=3, k=2)
+    assert inside is not None and torch.equal(inside, probs[:, :2])
+    assert draft_dists(None, s, 1, 3, d=3, k=2) is None

@@ -1,0 +1,47 @@
+"""The scheduler (first come, first served into free rows) and the n-gram proposer on their own."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from model.engine.ngram import NgramIndex
+from model.engine.proposers import NgramProposer
+from model.engine.requests import SamplingParams
+from model.engine.row import Row
+from model.engine.scheduler import Scheduler
+
+
+def _row(request_id: str, prompt: list[int], output: list[int] | None = None, ngram: bool = False) -> Row:
+    return Row(
+        request_id, prompt, SamplingParams(max_new_tokens=8), np.random.default_rng(0), frozenset(),
+        output_ids=list(output or []), ngram=NgramIndex() if ngram else None,
+    )  # fmt: skip
+
+
+def test_scheduler_admits_oldest_first_into_the_free_rows() -> None:
+    s = Scheduler(max_running=3)
+    rows = [_row(str(i), [i]) for i in range(5)]
+    for r in rows:
+        s.add(r)
+    assert [r.request_id for r in s.admit(num_running=1)] == ["0", "1"]  # two rows free
+    assert s.admit(num_running=3) == [] and len(s) == 3
+    rows[3].aborted = True
+    assert s.drop_aborted() == [rows[3]]
+    assert [r.request_id for r in s] == ["2", "4"]
+    assert [r.request_id for r in s.admit(num_running=0)] == ["2", "4"] and len(s) == 0
+
+
+def test_ngram_proposer_copies_what_followed_the_last_match_within_budget() -> None:
+    # Prompt "5 6 7 8 5 6", output "7": the suffix "5 6 7" was followed by 8, 5, 6 before.
+    row = _row("a", [5, 6, 7, 8, 5, 6], [7], ngram=True)
+    plain = _row("b", [1, 2, 3])  # no index: no copy
+    proposer = NgramProposer()
+    copy, none = proposer.propose([row, plain], budgets=[8, 8], width=3)
+    assert none is None and copy is not None
+    assert copy.tokens == [8, 5, 6] and copy.match_len == 3
+    # The index caught up with the prompt and output; a tighter budget or width cuts the copy.
+    assert len(row.ngram) == 7
+    (short,) = proposer.propose([row], budgets=[2], width=3)
+    assert short is not None and short.tokens == [8, 5]
+    assert proposer.propose([row], budgets=[0], width=3) == [None]
+    assert proposer.propose([row], budgets=[5], width=0) == [None]
