@@ -158,7 +158,7 @@ def measure_calls(engine: Engine, batch: int, ctx: int, timed: Callable[[Callabl
         out["verify_ms"][t] = timed(partial(engine._target_verify, 0, tokens))
     if engine.drafter is not None:
         anchors = torch.tensor([row.anchor for row in engine.rows], dtype=torch.long, device=engine.device)
-        sampling = engine._sampling_batch(engine.rows, None)  # greedy rows: the static bucket's case
+        sampling = SamplingBatch.of_params([r.params for r in engine.rows], None, engine.device)  # greedy: static
         propose = engine.proposer.propose
         out["propose_ms"] = timed(partial(propose, 0, engine.rows, anchors, sampling, engine.num_drafts))
     return out

@@ -21,14 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from model.engine.config import EngineConfig
 from model.engine.costs import NgramAcceptance, prior_curve_for
 from model.engine.logits_processors import new_row_processor, process_logits
+from model.engine.logprobs import token_logprobs
 from model.engine.ngram import NgramIndex
 from model.engine.policy import DraftPolicy, StepChoice
+from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer, DraftProposer, NgramProposer
 from model.engine.rejection import Drafts, Proposals, accept, assemble_drafts
 from model.engine.requests import (
@@ -39,15 +40,13 @@ from model.engine.requests import (
     StepTiming,
     TokenLogprob,
 )
-from model.engine.row import Row
-from model.engine.sampling import SamplingBatch, pick_tokens
+from model.engine.row import Row, commit, draw_uniforms, seed_generator
+from model.engine.sampling import SamplingBatch
 from model.engine.scheduler import Scheduler
 from model.engine.static import StaticSteps, batch_buckets, verify_widths
 from model.kv.prefix_cache import PrefixCache
 from model.nn.drafter import Drafter, new_context_cache
 from model.nn.target import TargetModel, TargetOutput
-
-PROMPT_LOGPROB_CHUNK = 256  # prompt positions per LM-head call when scoring a prompt
 
 
 @dataclass
@@ -79,12 +78,6 @@ class StepResults:
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
 
-def seed_generator(seed: int) -> np.random.Generator:
-    """A row's random stream. The whole 64-bit seed counts (NumPy's SeedSequence hashes it): torch's CPU
-    generator keeps only the low 32 bits, so seeds 7 and 7 + 2**32 would sample the same text."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed % 2**64)))
-
-
 def _check_drafter(mode: str, drafter: Drafter | None) -> None:
     if mode not in ("ar", "ngram") and drafter is None:
         raise ValueError(f"mode {mode!r} needs a drafter")
@@ -99,26 +92,6 @@ def cache_layout(max_batch_size: int, max_model_len: int, scratch: int, static_s
     batch bucket, since padded batches use rows up to it."""
     slots = batch_buckets(max_batch_size)[-1] if static_shapes else max_batch_size
     return slots, max_model_len + scratch + 1
-
-
-def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
-    """Split prompts sorted by length into consecutive groups [a, b), one forward each, so that
-    padded tokens plus `split_tokens` per forward (what one more forward costs, in prompt tokens)
-    is least. A group pads to its longest (last) prompt. Exact by dynamic programming: n is at
-    most the batch size."""
-    n = len(lengths)
-    best = [0.0] + [float("inf")] * n
-    cut = [0] * (n + 1)
-    for b in range(1, n + 1):
-        for a in range(b):
-            cost = best[a] + split_tokens + (b - a) * lengths[b - 1]
-            if cost < best[b]:
-                best[b], cut[b] = cost, a
-    groups, b = [], n
-    while b > 0:
-        groups.append((cut[b], b))
-        b = cut[b]
-    return groups[::-1]
 
 
 class Engine:
@@ -196,6 +169,17 @@ class Engine:
             )
             if cfg.prefix_cache_tokens > 0 and not self.capture
             else None
+        )
+        self.prefiller = Prefiller(
+            target,
+            self.cache,
+            self.drafter,
+            self.draft_cache,
+            self.prefix_cache,
+            self.taps,
+            self.want_features,
+            self.capture,
+            self.prefill_split_tokens,
         )
         # Who drafts: the drafter's block (or `proposer` in its place) and the n-gram copies.
         self.drafter_proposer = (
@@ -341,18 +325,19 @@ class Engine:
         new = self.scheduler.admit(len(self.rows))
         if new:
             states = [row.generator.bit_generator.state for row in new]
+            running = len(self.rows)
             try:
                 outputs.extend(self._prefill(new))
             except Exception:  # noqa: BLE001 - retry one by one so a bad request fails alone
-                del self.rows[len(self.rows) - len(new) :]
+                del self.rows[running:]
                 for row, state in zip(new, states):
                     row.generator.bit_generator.state = state  # the retry draws the same random numbers
                 for row in new:
+                    running = len(self.rows)
                     try:
                         outputs.extend(self._prefill([row]))
                     except Exception as exc:  # noqa: BLE001
-                        if self.rows and self.rows[-1] is row:
-                            self.rows.pop()
+                        del self.rows[running:]
                         outputs.append(self._error_output(row, exc))
         elif self.rows:
             states = [row.generator.bit_generator.state for row in self.rows]
@@ -395,174 +380,26 @@ class Engine:
                 self.rows[i] = self.rows[last]
             self.rows.pop()
 
-    def _sampling_batch(self, rows: list[Row], uniforms: torch.Tensor | None) -> SamplingBatch:
-        dev = self.device
-        return SamplingBatch(
-            temperature=torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev),
-            top_p=torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=dev),
-            uniforms=uniforms,
-            host_all_greedy=all(r.params.greedy for r in rows),
-        )
-
-    def _draw_uniforms(self, rows: list[Row], count: int) -> torch.Tensor:
-        """`count` uniforms per sampling row from that row's own generator (a fixed number per step).
-
-        Greedy rows get zeros and never touch their generators: no per-row work in greedy batches."""
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if not sampled:
-            return torch.zeros(len(rows), count, device=self.device)
-        u = torch.zeros(len(rows), count)
-        u[sampled] = torch.from_numpy(np.stack([rows[i].generator.random(count, dtype=np.float32) for i in sampled]))
-        return u.to(self.device)
-
-    def _logprobs(self, logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
-        """Target log-probabilities (raw logits, before temperature) of committed tokens.
-
-        logits [n, V] are the target's logits at the positions that produced token_ids."""
-        lp = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)
-        chosen = lp.gather(-1, torch.tensor(token_ids, device=lp.device)[:, None]).squeeze(-1).tolist()
-        out = []
-        if top_n > 0:
-            top_v, top_i = lp.topk(top_n, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-        else:
-            tops = [[] for _ in token_ids]
-        for tok, val, top in zip(token_ids, chosen, tops):
-            out.append(TokenLogprob(tok, val, top))
-        return out
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_ids: list[int], top_n: int) -> list[TokenLogprob]:
-        """Logprobs of prompt tokens 1..n-1 from one row's prefill hidden states [T, H] (position t
-        predicts token t + 1). The LM head runs in chunks: [T, V] logits of a long prompt would be
-        hundreds of MB."""
-        out: list[TokenLogprob] = []
-        for s in range(0, len(prompt_ids) - 1, PROMPT_LOGPROB_CHUNK):
-            e = min(s + PROMPT_LOGPROB_CHUNK, len(prompt_ids) - 1)
-            out += self._logprobs(self.target.lm_head(hidden[s:e]), prompt_ids[s + 1 : e + 1], top_n)
-        return out
-
-    def _commit(self, row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
-        """Append tokens to a row, stopping exactly at a stop token or the token budget, and advance
-        its processors: the step's output for the row (the caller adds the step's statistics)."""
-        emitted: list[int] = []
-        reason, stop_tok = None, None
-        for tok in tokens:
-            row.output_ids.append(tok)
-            emitted.append(tok)
-            if tok in row.stop_ids:
-                reason, stop_tok = "stop", tok
-                break
-            if len(row.output_ids) >= row.params.max_new_tokens:
-                reason = "length"
-                break
-        error = None
-        if row.processor is not None:
-            row.processor.commit(emitted)
-            # Output that can no longer follow its grammar ends as an error, never as "stop".
-            error = row.processor.grammar_error
-            if error is not None:
-                reason = "error"
-        lp = logprobs[: len(emitted)] if logprobs is not None else None
-        return RequestOutput(
-            row.request_id,
-            emitted,
-            reason is not None,
-            reason,
-            row.stats,
-            lp,
-            stop_tok,
-            error=error,
-            client_error=error is not None,
-        )
-
-    @torch.inference_mode()
     def _prefill(self, new: list[Row]) -> list[RequestOutput]:
-        """Admit rows: prompt forwards (rows sorted by length, split where padding would cost more
-        than another forward), first token sampled from each prompt's last position."""
+        """Admit rows into the slots after the running ones (model/engine/prefill.py) and commit
+        each one's first token."""
         self.policy.on_admit()
         t0 = time.perf_counter()
-        # Each row forwards its prompt after the beginning found in the prefix cache (if any).
-        # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
-        hits = {
-            id(r): self.prefix_cache.lookup(r.prompt_ids)
-            if self.prefix_cache and r.params.prompt_logprobs is None
-            else []
-            for r in new
-        }
-        block = self.prefix_cache.block_size if self.prefix_cache else 0
-        cached = {id(r): len(hits[id(r)]) * block for r in new}
-        new = sorted(new, key=lambda r: len(r.prompt_ids) - cached[id(r)])
         lo = len(self.rows)
-        self.rows.extend(new)
-        starts = [cached[id(r)] for r in new]
-        lengths = [len(r.prompt_ids) - n for r, n in zip(new, starts)]  # tokens forwarded per row
-        lens = torch.tensor(lengths, device=self.device)
-        for i, row in enumerate(new):
-            row.stats.cached_prompt_tokens = starts[i]
-            if self.prefix_cache is not None and starts[i]:
-                self.prefix_cache.load(lo + i, hits[id(row)])
-        groups = prefill_groups(lengths, self.prefill_split_tokens)
-        logits_parts, features = [], []
-        prompt_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
-        for a, b in groups:
-            tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=self.device)
-            for i in range(a, b):
-                tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids[starts[i] :], device=self.device)
-            self.cache.set_lengths(lo + a, starts[a:b])
-            scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None]
-            out = self.target.forward(
-                self.cache,
-                lo + a,
-                tokens,
-                logits_at=lens[a:b] - 1,
-                want_features=self.want_features,
-                taps=self.taps,
-                keep_hidden=bool(scored),
-            )
-            for i in scored:
-                assert out.hidden is not None
-                top_n = new[i].params.prompt_logprobs
-                assert top_n is not None
-                prompt_logprobs[i] = self._prompt_logprobs(out.hidden[i - a], new[i].prompt_ids, top_n)
-            logits_parts.append(out.logits[:, 0])
-            features.append(out.features)
-        logits = torch.cat(logits_parts)
-        sampling = self._sampling_batch(new, self._draw_uniforms(new, 1))
-        scores = process_logits([r.processor for r in new], logits[:, None], None)[:, 0]
-        first = pick_tokens(scores, sampling, slot=0)[0].tolist()
-        logprobs = [
-            self._logprobs(logits[i : i + 1], [tok], row.params.logprobs) if row.params.logprobs is not None else None
-            for i, (row, tok) in enumerate(zip(new, first))
-        ]
-        # All work is done: now advance the caches.
-        self.cache.set_lengths(lo, [s + n for s, n in zip(starts, lengths)])
-        if self.drafter is not None:
-            assert self.draft_cache is not None
-            for (a, b), feats in zip(groups, features):
-                assert feats is not None
-                self.draft_cache.set_lengths(lo + a, starts[a:b])
-                self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b], lengths[a:b])
-        if self.prefix_cache is not None:
-            for i, row in enumerate(new):
-                self.prefix_cache.store(lo + i, row.prompt_ids)
+        result = self.prefiller.run(new, lo)
+        self.rows.extend(result.rows)
         outputs, done = [], []
-        for g, (a, b) in enumerate(groups):
-            for i in range(a, b):
-                row, tok = new[i], first[i]
-                if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
-                    output = RequestOutput(row.request_id, [], True, "length", row.stats)
-                else:
-                    output = self._commit(row, [tok], logprobs[i])
-                output.prompt_logprobs = prompt_logprobs[i]
-                row.anchor = tok
-                outputs.append(output)
-                if self.capture:
-                    feats = features[g]
-                    assert feats is not None
-                    outputs[-1].features = feats[i - a, : lengths[i]].to(torch.float16).cpu()
-                if output.finished:
-                    done.append(lo + i)
+        for i, row in enumerate(result.rows):
+            tok = result.first_tokens[i]
+            if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
+                output = RequestOutput(row.request_id, [], True, "length", row.stats)
+            else:
+                output = commit(row, [tok], result.logprobs[i])
+            output.prompt_logprobs, output.features = result.prompt_logprobs[i], result.features[i]
+            row.anchor = tok
+            outputs.append(output)
+            if output.finished:
+                done.append(lo + i)
         self.last_timing = StepTiming("prefill", len(new), 0.0, time.perf_counter() - t0)
         self._remove_rows(done)
         return outputs
@@ -601,13 +438,13 @@ class Engine:
         d = 0 if probe else self.policy.slots_to_draft(full)
         ngram_width = self.ngram_max_drafts if self.ngram and not probe else 0
         width = max(d, ngram_width)
-        uniforms = self._draw_uniforms(rows, 2 * width + 1)  # draft slots, acceptance tests, final token
+        uniforms = draw_uniforms(rows, 2 * width + 1, self.device)  # draft slots, acceptance tests, final token
         return StepState(
             lo=lo,
             hi=hi,
             rows=rows,
             anchors=torch.tensor([row.anchor for row in rows], dtype=torch.long, device=self.device),
-            sampling=self._sampling_batch(rows, uniforms[:, :d]),
+            sampling=SamplingBatch.of_params([row.params for row in rows], uniforms[:, :d], self.device),
             uniforms=uniforms,
             d=d,
             ngram_width=ngram_width,
@@ -689,7 +526,7 @@ class Engine:
         results = StepResults(accepted=[h[0] for h in host], bonus=[h[1] for h in host])
         results.new_tokens = [h[2 : 2 + h[0]] + [h[1]] for h in host]
         results.logprobs = [
-            self._logprobs(out.logits[i], results.new_tokens[i], row.params.logprobs)
+            token_logprobs(out.logits[i], results.new_tokens[i], row.params.logprobs)
             if row.params.logprobs is not None
             else None
             for i, row in enumerate(step.rows)
@@ -724,7 +561,7 @@ class Engine:
             plan = proposals.plans[i]
             if proposer == "ngram" and plan is not None:
                 self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.greedy)
-            output = self._commit(row, results.new_tokens[i], results.logprobs[i])
+            output = commit(row, results.new_tokens[i], results.logprobs[i])
             row.anchor = results.bonus[i]
             st = row.stats
             st.verify_steps += 1

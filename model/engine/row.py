@@ -1,17 +1,19 @@
 """A request as the engine runs it: its prompt, parameters, output so far and per-row state. One
 type that the engine, the scheduler, the proposers and the policy all use (the wire-side types in
-requests.py stay torch-free; this one holds the row's torch-side state)."""
+requests.py stay torch-free; this one holds the row's torch-side state). Beside it, what happens to
+a row alone: its random stream and committing tokens to it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from model.engine.costs import NgramAcceptance
 from model.engine.logits_processors import RowProcessor
 from model.engine.ngram import NgramIndex
-from model.engine.requests import RequestStats, SamplingParams
+from model.engine.requests import RequestOutput, RequestStats, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -30,3 +32,56 @@ class Row:
     ngram: NgramIndex | None = None  # prompt + output, indexed for prompt lookup
     ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
     processor: RowProcessor | None = None  # logits processors and their state (None: plain sampling)
+
+
+def seed_generator(seed: int) -> np.random.Generator:
+    """A row's random stream. The whole 64-bit seed counts (NumPy's SeedSequence hashes it): torch's CPU
+    generator keeps only the low 32 bits, so seeds 7 and 7 + 2**32 would sample the same text."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed % 2**64)))
+
+
+def draw_uniforms(rows: list[Row], count: int, device: torch.device) -> torch.Tensor:
+    """`count` uniforms per sampling row from that row's own generator (a fixed number per step).
+
+    Greedy rows get zeros and never touch their generators: no per-row work in greedy batches."""
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not sampled:
+        return torch.zeros(len(rows), count, device=device)
+    u = torch.zeros(len(rows), count)
+    u[sampled] = torch.from_numpy(np.stack([rows[i].generator.random(count, dtype=np.float32) for i in sampled]))
+    return u.to(device)
+
+
+def commit(row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+    """Append tokens to a row, stopping exactly at a stop token or the token budget, and advance
+    its processors: the step's output for the row (the caller adds the step's statistics)."""
+    emitted: list[int] = []
+    reason, stop_tok = None, None
+    for tok in tokens:
+        row.output_ids.append(tok)
+        emitted.append(tok)
+        if tok in row.stop_ids:
+            reason, stop_tok = "stop", tok
+            break
+        if len(row.output_ids) >= row.params.max_new_tokens:
+            reason = "length"
+            break
+    error = None
+    if row.processor is not None:
+        row.processor.commit(emitted)
+        # Output that can no longer follow its grammar ends as an error, never as "stop".
+        error = row.processor.grammar_error
+        if error is not None:
+            reason = "error"
+    lp = logprobs[: len(emitted)] if logprobs is not None else None
+    return RequestOutput(
+        row.request_id,
+        emitted,
+        reason is not None,
+        reason,
+        row.stats,
+        lp,
+        stop_tok,
+        error=error,
+        client_error=error is not None,
+    )

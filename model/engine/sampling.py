@@ -6,9 +6,12 @@ the row's own generator, so a seeded request makes the same choices alone or in 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from model.engine.requests import SamplingParams
 
 
 @dataclass
@@ -31,6 +34,19 @@ class SamplingBatch:
             top_p=torch.ones(rows, device=device),
             top_k=torch.zeros(rows, dtype=torch.long, device=device),
             host_all_greedy=True,
+        )
+
+    @classmethod
+    def of_params(
+        cls, params: Sequence[SamplingParams], uniforms: torch.Tensor | None, device: torch.device
+    ) -> SamplingBatch:
+        """The rows' settings on the device, with their uniforms; whether all are greedy known on the host."""
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            uniforms=uniforms,
+            host_all_greedy=all(p.greedy for p in params),
         )
 
     @property

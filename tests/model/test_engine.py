@@ -446,7 +446,7 @@ def test_engines_sharing_a_target_and_drafter_keep_their_own_settings() -> None:
 
 
 def test_prefill_groups_split_where_padding_costs_more_than_a_forward() -> None:
-    from model.engine.engine import prefill_groups
+    from model.engine.prefill import prefill_groups
 
     # Two short prompts and two long ones: padding the short ones to 310 would waste ~600 tokens.
     assert prefill_groups([10, 12, 300, 310], 32) == [(0, 2), (2, 4)]

@@ -1,0 +1,150 @@
+"""Admission's model work: the prompts of newly admitted rows through the target in as few padded
+forwards as pay, the drafter's context filled from the target's features, the prefix cache read and
+written, and each row's first token chosen from its prompt's last position. The engine then commits
+the first tokens to the rows (model/engine/engine.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.engine.logits_processors import process_logits
+from model.engine.logprobs import prompt_logprobs, token_logprobs
+from model.engine.requests import TokenLogprob
+from model.engine.row import Row, draw_uniforms
+from model.engine.sampling import SamplingBatch, pick_tokens
+from model.kv.draft_cache import DraftContextCache
+from model.kv.prefix_cache import PrefixCache
+from model.kv.target_cache import RaggedKVCache
+from model.nn.drafter import Drafter
+from model.nn.target import TargetModel
+
+
+def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
+    """Split prompts sorted by length into consecutive groups [a, b), one forward each, so that
+    padded tokens plus `split_tokens` per forward (what one more forward costs, in prompt tokens)
+    is least. A group pads to its longest (last) prompt. Exact by dynamic programming: n is at
+    most the batch size."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for b in range(1, n + 1):
+        for a in range(b):
+            cost = best[a] + split_tokens + (b - a) * lengths[b - 1]
+            if cost < best[b]:
+                best[b], cut[b] = cost, a
+    groups, b = [], n
+    while b > 0:
+        groups.append((cut[b], b))
+        b = cut[b]
+    return groups[::-1]
+
+
+@dataclass
+class PrefillResult:
+    """Admitted rows in the order they now occupy cache slots lo.., with what their prefill gave."""
+
+    rows: list[Row]
+    first_tokens: list[int]
+    logprobs: list[list[TokenLogprob] | None]  # of the first token, where asked for
+    prompt_logprobs: list[list[TokenLogprob] | None]  # of the prompt, where asked for
+    features: list[torch.Tensor | None]  # captured target features [prompt, K*H] (capture only), fp16 on the host
+
+
+class Prefiller:
+    """Prompt forwards into the caches of one engine (the pieces are the engine's own)."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        cache: RaggedKVCache,
+        drafter: Drafter | None,
+        draft_cache: DraftContextCache | None,
+        prefix_cache: PrefixCache | None,
+        taps: list[int],
+        want_features: bool,
+        capture: bool,
+        split_tokens: int,
+    ) -> None:
+        self.target, self.cache = target, cache
+        self.drafter, self.draft_cache = drafter, draft_cache
+        self.prefix_cache = prefix_cache
+        self.taps, self.want_features, self.capture = taps, want_features, capture
+        # What one more prefill forward costs, in padded prompt tokens (EngineConfig.prefill_split_tokens).
+        self.split_tokens = split_tokens
+        self.device = target.device
+
+    @torch.inference_mode()
+    def run(self, new: list[Row], lo: int) -> PrefillResult:
+        """Prefill `new` into slots lo..: rows sorted by length, split where padding would cost more
+        than another forward, each after the beginning the prefix cache holds. The caches advance only
+        once every forward succeeded."""
+        dev = self.device
+        # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
+        hits = {
+            id(r): self.prefix_cache.lookup(r.prompt_ids)
+            if self.prefix_cache and r.params.prompt_logprobs is None
+            else []
+            for r in new
+        }
+        block = self.prefix_cache.block_size if self.prefix_cache else 0
+        cached = {id(r): len(hits[id(r)]) * block for r in new}
+        new = sorted(new, key=lambda r: len(r.prompt_ids) - cached[id(r)])
+        starts = [cached[id(r)] for r in new]
+        lengths = [len(r.prompt_ids) - n for r, n in zip(new, starts)]  # tokens forwarded per row
+        lens = torch.tensor(lengths, device=dev)
+        for i, row in enumerate(new):
+            row.stats.cached_prompt_tokens = starts[i]
+            if self.prefix_cache is not None and starts[i]:
+                self.prefix_cache.load(lo + i, hits[id(row)])
+        groups = prefill_groups(lengths, self.split_tokens)
+        logits_parts, features = [], []
+        scored_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
+        for a, b in groups:
+            tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=dev)
+            for i in range(a, b):
+                tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids[starts[i] :], device=dev)
+            self.cache.set_lengths(lo + a, starts[a:b])
+            scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None]
+            out = self.target.forward(
+                self.cache,
+                lo + a,
+                tokens,
+                logits_at=lens[a:b] - 1,
+                want_features=self.want_features,
+                taps=self.taps,
+                keep_hidden=bool(scored),
+            )
+            for i in scored:
+                top_n = new[i].params.prompt_logprobs
+                assert out.hidden is not None and top_n is not None
+                scored_logprobs[i] = prompt_logprobs(self.target.lm_head, out.hidden[i - a], new[i].prompt_ids, top_n)
+            logits_parts.append(out.logits[:, 0])
+            features.append(out.features)
+        logits = torch.cat(logits_parts)
+        sampling = SamplingBatch.of_params([r.params for r in new], draw_uniforms(new, 1, dev), dev)
+        scores = process_logits([r.processor for r in new], logits[:, None], None)[:, 0]
+        first = pick_tokens(scores, sampling, slot=0)[0].tolist()
+        first_logprobs = [
+            token_logprobs(logits[i : i + 1], [tok], row.params.logprobs) if row.params.logprobs is not None else None
+            for i, (row, tok) in enumerate(zip(new, first))
+        ]
+        # All work is done: now advance the caches.
+        self.cache.set_lengths(lo, [s + n for s, n in zip(starts, lengths)])
+        if self.drafter is not None:
+            assert self.draft_cache is not None
+            for (a, b), feats in zip(groups, features):
+                assert feats is not None
+                self.draft_cache.set_lengths(lo + a, starts[a:b])
+                self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b], lengths[a:b])
+        if self.prefix_cache is not None:
+            for i, row in enumerate(new):
+                self.prefix_cache.store(lo + i, row.prompt_ids)
+        captured: list[torch.Tensor | None] = [None] * len(new)
+        if self.capture:
+            for (a, b), feats in zip(groups, features):
+                assert feats is not None
+                for i in range(a, b):
+                    captured[i] = feats[i - a, : lengths[i]].to(torch.float16).cpu()
+        return PrefillResult(new, first, first_logprobs, scored_logprobs, captured)
