@@ -36,10 +36,10 @@ import torch
 
 from bench import common
 from model.engine.engine import Engine, SamplingParams
-from model.engine.proposers import DraftProposer
+from model.engine.proposers import DraftProposer, Proposal
 from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
-from model.nn.drafter import Drafter, DraftResult
+from model.nn.drafter import Drafter
 from model.nn.target import TargetModel
 
 # -- the planted target ------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class OracleProposer:
 
     def propose(
         self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
-    ) -> DraftResult:
+    ) -> Proposal:
         draft = self.inner.propose(lo, rows, anchors, sampling, num_slots)  # the drafter's real cost
         tails = [(row.prompt_ids + row.output_ids)[-self.offset :] for row in rows]  # output_ids[-1]: the anchor
         right = torch.tensor([copy_continuation(t, self.offset, num_slots) for t in tails], device=anchors.device)
@@ -191,7 +191,7 @@ class OracleProposer:
         if self.knows_confidence and confidence is not None:
             known = torch.where(slots < good, 0.95, 0.05).to(confidence.dtype)
             confidence = known[None, : confidence.shape[1]].expand_as(confidence).contiguous()
-        return DraftResult(tokens, draft.token_probs, draft.draft_probs, confidence, draft.logits)
+        return Proposal(tokens, draft.token_probs, draft.draft_probs, confidence)
 
 
 def oracle_engine(

@@ -202,9 +202,14 @@ class NgramAcceptance:
         self.reached[match_len, :reached] += 1
         self.accepted[match_len, :accepted] += 1
 
-    def estimate(self, match_len: int, slots: int, prior: torch.Tensor | float) -> torch.Tensor:
-        """Per-slot acceptance estimates [slots] for a match of length `match_len`; prior [slots] or a number."""
+    def estimate(
+        self, match_len: int, slots: int, prior: torch.Tensor | float, fade: float | None = None
+    ) -> torch.Tensor:
+        """Per-slot acceptance estimates [slots] for a match of length `match_len`; prior [slots] or a
+        number. `fade`: as if `fade(fade)` had been called first (a query that leaves the record as it is)."""
         reached, acc = self.reached[match_len, :slots], self.accepted[match_len, :slots]
+        if fade is not None:
+            reached, acc = reached * fade, acc * fade
         return (acc + self.prior_weight * prior) / (reached + self.prior_weight)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,54 +28,25 @@ from model.engine.costs import NgramAcceptance, prior_curve_for
 from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
 from model.engine.ngram import NgramIndex
-from model.engine.policy import DraftPolicy, StepChoice
+from model.engine.policy import DraftPolicy
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer, DraftProposer, NgramProposer
-from model.engine.rejection import Drafts, Proposals, accept, assemble_drafts
+from model.engine.rejection import accept, assemble_drafts
 from model.engine.requests import (
     ContextLengthError,
     RequestOutput,
     RequestStats,
     SamplingParams,
     StepTiming,
-    TokenLogprob,
 )
 from model.engine.row import Row, commit, draw_uniforms, seed_generator
 from model.engine.sampling import SamplingBatch
 from model.engine.scheduler import Scheduler
 from model.engine.static import StaticSteps, batch_buckets, verify_widths
+from model.engine.step import DecodeStep, DrawLayout, StepResults
 from model.kv.prefix_cache import PrefixCache
 from model.nn.drafter import Drafter, new_context_cache
 from model.nn.target import TargetModel, TargetOutput
-
-
-@dataclass
-class StepState:
-    """What one decode step works on: rows lo..hi-1 and what was drawn and decided for them first."""
-
-    lo: int
-    hi: int
-    rows: list[Row]
-    anchors: torch.Tensor  # [R] each row's last committed token
-    sampling: SamplingBatch  # the rows' parameters, with the drafter slots' uniforms
-    uniforms: torch.Tensor  # [R, 2 * width + 1]: draft slots, acceptance tests, final token
-    d: int  # drafter slots this step (0: the policy probes plain decoding)
-    ngram_width: int  # most tokens an n-gram copy may propose
-    width: int  # max(d, ngram_width)
-    budgets: list[int]  # tokens each row may still emit after this step's bonus
-    greedy_rows: list[bool]
-    full: bool  # every slot drafted (a seeded sampling row, or the fixed policy)
-    any_seeded: bool
-
-
-@dataclass
-class StepResults:
-    """A step's results on the host, per row."""
-
-    accepted: list[int]
-    bonus: list[int]
-    new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
-    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
 
 def _check_drafter(mode: str, drafter: Drafter | None) -> None:
@@ -409,105 +380,83 @@ class Engine:
         """One speculative step for rows lo..hi-1: propose -> choose -> verify -> accept -> emit."""
         step = self._begin_step(lo, len(self.rows) if hi is None else hi)
         t0 = time.perf_counter()
-        proposals = self._propose_all(step)
+        self._propose(step)
         t1 = time.perf_counter()
-        confidence = proposals.draft.confidence[:, : step.d] if proposals.draft is not None else None
-        choice = self.policy.choose(
-            proposals.plans, confidence, proposals.span, step.budgets, step.greedy_rows, step.full
-        )
-        drafts = assemble_drafts(proposals, choice, step.d, self.device)
-        out, accepted, bonus = self._verify(step, proposals, drafts, choice)
-        results = self._accept(step, out, accepted, bonus, drafts)
+        self._choose(step)
+        out = self._verify(step)
+        self._accept(step, out)
+        self.policy.observe(step)
+        assert step.drafts is not None
         self.last_timing = StepTiming(
-            "decode", len(step.rows), t1 - t0, time.perf_counter() - t1, drafts.tokens.shape[1]
+            "decode", len(step.rows), t1 - t0, time.perf_counter() - t1, step.drafts.tokens.shape[1]
         )
-        outputs, done = self._emit(step, out, proposals, choice, results)
+        outputs, done = self._emit(step, out)
         if finalize:
             self._remove_rows(done)
         return outputs
 
-    def _begin_step(self, lo: int, hi: int) -> StepState:
-        """What this step drafts and draws for rows lo..hi-1."""
+    def _begin_step(self, lo: int, hi: int) -> DecodeStep:
+        """The policy's plan for rows lo..hi-1 and the step's random draws."""
         rows = self.rows[lo:hi]
+        greedy_rows = [row.params.greedy for row in rows]
         # A seeded request must choose the same alone or in a batch: never pause drafting under it,
         # and always draft (and draw uniforms for) the full block.
-        any_seeded = any(row.params.seed is not None and not row.params.greedy for row in rows)
-        full = any_seeded or not self.policy.adaptive
-        greedy_rows = [row.params.greedy for row in rows]
-        probe = self.policy.plain_probe(len(rows), greedy_rows)
-        d = 0 if probe else self.policy.slots_to_draft(full)
-        ngram_width = self.ngram_max_drafts if self.ngram and not probe else 0
-        width = max(d, ngram_width)
-        uniforms = draw_uniforms(rows, 2 * width + 1, self.device)  # draft slots, acceptance tests, final token
-        return StepState(
+        plan = self.policy.plan(greedy_rows, any(row.params.seed is not None and not row.params.greedy for row in rows))
+        ngram_width = self.ngram_max_drafts if self.ngram and not plan.probe else 0
+        draws = DrawLayout(max(plan.drafter_slots, ngram_width))
+        uniforms = draw_uniforms(rows, draws.per_row, self.device)
+        return DecodeStep(
             lo=lo,
             hi=hi,
             rows=rows,
             anchors=torch.tensor([row.anchor for row in rows], dtype=torch.long, device=self.device),
-            sampling=SamplingBatch.of_params([row.params for row in rows], uniforms[:, :d], self.device),
+            sampling=SamplingBatch.of_params(
+                [row.params for row in rows], draws.draft_slots(uniforms, plan.drafter_slots), self.device
+            ),
             uniforms=uniforms,
-            d=d,
+            draws=draws,
+            plan=plan,
             ngram_width=ngram_width,
-            width=width,
-            budgets=[max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows],
             greedy_rows=greedy_rows,
-            full=full,
-            any_seeded=any_seeded,
+            budgets=[max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows],
         )
 
-    def _propose_all(self, step: StepState) -> Proposals:
+    def _propose(self, step: DecodeStep) -> None:
         """Each row's n-gram copy, and the drafter's block for the rows the policy lets it draft."""
-        copies = self.ngram_proposer.propose(step.rows, step.budgets, step.ngram_width)
-        plans = self.policy.ngram_plans(step.rows, copies, step.ngram_width)
-        span = None
-        if self.proposer is not None:
-            span = self.policy.drafter_rows(len(step.rows), step.d, step.any_seeded, plans)
-        if span is None:
-            return Proposals(plans, None, (0, 0))
+        step.copies = self.ngram_proposer.propose(step.rows, step.budgets, step.ngram_width)
+        step.copy_accept = self.policy.copy_estimates(step.rows, step.copies, step.ngram_width)
+        span = self.policy.drafter_rows(step) if self.proposer is not None else None
+        if span is None or self.proposer is None:
+            return
         a, b = span
         t = time.perf_counter()
-        lo, rows, anchors, sampling = step.lo, step.rows, step.anchors, step.sampling
+        lo, rows, anchors, sampling, d = step.lo, step.rows, step.anchors, step.sampling, step.drafter_slots
         if self.static is not None and lo == 0 and sampling.all_greedy:
             # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
-            draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, step.d)
+            draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
         else:
             rows_ab = sampling.rows(torch.arange(a, b, device=self.device))
-            draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, step.d)
+            draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
+        step.draft, step.draft_span = draft, span
         self.draft_forwards += 1
         self.policy.costs.observe_draft(b - a, time.perf_counter() - t)
-        return Proposals(plans, draft, span)
 
-    def _verify(
-        self, step: StepState, proposals: Proposals, drafts: Drafts, choice: StepChoice
-    ) -> tuple[TargetOutput, torch.Tensor, torch.Tensor]:
-        """One target forward over [anchor, drafts] per row; (output, accepted drafts [R], bonus [R])."""
-        r, k = drafts.tokens.shape
-        tokens = torch.cat([step.anchors[:, None], drafts.tokens], dim=1)
-        t_fwd = time.perf_counter()
+    def _choose(self, step: DecodeStep) -> None:
+        """How many drafts each row verifies and whose: the policy's choice, assembled into tensors."""
+        step.choice = self.policy.choose(step)
+        step.drafts = assemble_drafts(step, self.device)
+
+    def _verify(self, step: DecodeStep) -> TargetOutput:
+        """One target forward over [anchor, drafts] per row, timed for the policy's cost model."""
+        assert step.drafts is not None
+        r, k = step.drafts.tokens.shape
+        tokens = torch.cat([step.anchors[:, None], step.drafts.tokens], dim=1)
+        t = time.perf_counter()
         out = self._target_verify(step.lo, tokens)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
-        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t_fwd)
-        # What the rows choose from: the target's logits through each row's processors.
-        scores = process_logits([row.processor for row in step.rows], out.logits, drafts.tokens)
-        draft_vocab = (
-            self.drafter.draft_vocab_ids if self.drafter is not None and self.drafter.config.draft_vocab_size else None
-        )
-        any_greedy = any(step.greedy_rows)  # known on the host: no sync
-        accepted, bonus = accept(
-            scores, drafts, step.sampling, step.uniforms, step.width, proposals, any_greedy, draft_vocab
-        )
-        draft, (a, b) = proposals.draft, proposals.span
-        if any_greedy and k > 0 and draft is not None:
-            # Calibrate the drafter on the greedy rows that verified its drafts.
-            mine = [i for i in range(a, b) if step.greedy_rows[i] and not choice.use_ngram[i]]
-            if mine:
-                idx = torch.tensor(mine, device=self.device)
-                d = draft.confidence.shape[1]
-                self.policy.observe_drafter(
-                    draft.confidence[idx - a, : min(k, d)].float(), drafts.counts[idx], accepted[idx]
-                )
-        return out, accepted, bonus
+        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t)
+        return out
 
     def _target_verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
         """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
@@ -518,11 +467,16 @@ class Engine:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
         return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
 
-    def _accept(
-        self, step: StepState, out: TargetOutput, accepted: torch.Tensor, bonus: torch.Tensor, drafts: Drafts
-    ) -> StepResults:
-        """The step's results on the host (one device->host copy), and the caches advanced by them."""
-        host = torch.cat([accepted[:, None], bonus[:, None], drafts.tokens], dim=1).tolist()
+    def _accept(self, step: DecodeStep, out: TargetOutput) -> None:
+        """The rejection sampler over the rows' processed scores; its results on the host (one
+        device->host copy) and the caches advanced by them."""
+        assert step.drafts is not None
+        scores = process_logits([row.processor for row in step.rows], out.logits, step.drafts.tokens)
+        draft_vocab = (
+            self.drafter.draft_vocab_ids if self.drafter is not None and self.drafter.config.draft_vocab_size else None
+        )
+        step.accepted, step.bonus = accepted, bonus = accept(scores, step, draft_vocab)
+        host = torch.cat([accepted[:, None], bonus[:, None], step.drafts.tokens], dim=1).tolist()
         results = StepResults(accepted=[h[0] for h in host], bonus=[h[1] for h in host])
         results.new_tokens = [h[2 : 2 + h[0]] + [h[1]] for h in host]
         results.logprobs = [
@@ -531,8 +485,8 @@ class Engine:
             else None
             for i, row in enumerate(step.rows)
         ]
+        step.results = results
         self._advance(step.lo, step.hi, out, accepted, results.accepted)
-        return results
 
     def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor, host_accepted: list[int]) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply
@@ -550,36 +504,23 @@ class Engine:
                 raise
         self.cache.advance(lo, accepted + 1, counts)
 
-    def _emit(
-        self, step: StepState, out: TargetOutput, proposals: Proposals, choice: StepChoice, results: StepResults
-    ) -> tuple[list[RequestOutput], list[int]]:
-        """Commit each row's tokens, update its statistics; (outputs, slots of finished rows)."""
+    def _emit(self, step: DecodeStep, out: TargetOutput) -> tuple[list[RequestOutput], list[int]]:
+        """Commit each row's tokens and record the step in its statistics; (outputs, slots of finished rows)."""
+        choice, results = step.choice, step.results
+        assert choice is not None and results is not None
         outputs, done = [], []
         for i, row in enumerate(step.rows):
-            a_i, n_i = results.accepted[i], choice.counts[i]
-            proposer = None if n_i == 0 else ("ngram" if choice.use_ngram[i] else "drafter")
-            plan = proposals.plans[i]
-            if proposer == "ngram" and plan is not None:
-                self.policy.observe_ngram(row, plan, n_i, a_i, greedy=row.params.greedy)
+            accepted, drafted = results.accepted[i], choice.counts[i]
+            proposer = None if drafted == 0 else ("ngram" if choice.use_ngram[i] else "drafter")
             output = commit(row, results.new_tokens[i], results.logprobs[i])
             row.anchor = results.bonus[i]
-            st = row.stats
-            st.verify_steps += 1
-            st.steps_with_drafts += n_i > 0
-            st.draft_tokens += n_i
-            st.accepted_tokens += a_i
-            if proposer is not None:
-                st.draft_tokens_by_proposer[proposer] = st.draft_tokens_by_proposer.get(proposer, 0) + n_i
-                st.accepted_tokens_by_proposer[proposer] = st.accepted_tokens_by_proposer.get(proposer, 0) + a_i
-            st.acceptance_lengths.append(a_i + 1)
-            for j in range(a_i):
-                st.accepted_per_position[j] += 1
-            output.step_draft_tokens, output.step_accepted = n_i, list(range(a_i))
+            row.stats.record_verify(proposer, drafted, accepted)
+            output.step_draft_tokens, output.step_accepted = drafted, list(range(accepted))
             output.is_verify_step, output.step_proposer = True, proposer
             outputs.append(output)
             if self.capture:
                 assert out.features is not None
-                output.features = out.features[i, : a_i + 1].to(torch.float16).cpu()
+                output.features = out.features[i, : accepted + 1].to(torch.float16).cpu()
             if output.finished:
                 done.append(step.lo + i)
         return outputs, done

@@ -23,7 +23,6 @@ The measured side (step costs, calibration, copy acceptance) is in model/engine/
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -38,8 +37,9 @@ from model.engine.costs import (
     VerifyCurve,
     prior_verify,
 )
-from model.engine.ngram import NgramProposal
+from model.engine.proposers import Proposal
 from model.engine.row import Row
+from model.engine.step import DecodeStep, StepChoice, StepPlan
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
@@ -47,27 +47,14 @@ PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped p
 NGRAM_FADE = 0.998
 
 
-@dataclass
-class NgramPlan:
-    tokens: list[int]  # the copy proposed
-    match_len: int
-    accept: torch.Tensor  # [len(tokens)] estimated acceptance of each slot once reached
-
-
-@dataclass
-class StepChoice:
-    """Drafts verified per row this step, and whether they are the row's n-gram copy (else the drafter's)."""
-
-    counts: list[int]
-    use_ngram: list[bool]
-
-
 class DraftPolicy:
     """Which rows run the drafter and how many drafts each row verifies, step by step.
 
     `adaptive` weighs expected accepted drafts against measured step costs (module docstring);
     `fixed` verifies every drafter draft up to the first below `draft_threshold`, else the copy.
-    The engine tells it what happened (`observe_*`); everything it learns lives here.
+    The engine asks (`plan`, `copy_estimates`, `drafter_rows`, `choose`: queries that change nothing)
+    and then tells it what happened (`observe`, `on_admit`, and the measured costs in `costs`);
+    everything it learns lives here.
     """
 
     def __init__(
@@ -100,7 +87,15 @@ class DraftPolicy:
         self.pause_len = PAUSE_MIN
         self.skip_steps = min(self.skip_steps, PAUSE_MIN)
 
-    def plain_probe(self, batch: int, greedy_rows: list[bool]) -> bool:
+    # -- plans: queries, no state changes ---------------------------------------------------------
+    def plan(self, greedy_rows: list[bool], any_seeded: bool) -> StepPlan:
+        """What a step does before anything is proposed: a plain probe, or drafter slots to run."""
+        full = any_seeded or not self.adaptive
+        probe = self._plain_probe(len(greedy_rows), greedy_rows)
+        slots = 0 if probe else (self.num_drafts if full or not self.adaptive else self.draft_width)
+        return StepPlan(probe=probe, drafter_slots=slots, full=full, any_seeded=any_seeded)
+
+    def _plain_probe(self, batch: int, greedy_rows: list[bool]) -> bool:
         """Decode this step without drafts, to measure a plain step at this batch size. Every width
         is judged against it, and a cost never measured is a prior's guess that drafting may never
         correct (it keeps drafting, so never measures the plain step). Greedy batches only: their
@@ -109,89 +104,71 @@ class DraftPolicy:
             return False
         if self.costs.verify_n.get((batch, 1), 0) >= TRUSTED_SAMPLES:
             return False
-        if self.plain_probes.get(batch, 0) >= TRUSTED_SAMPLES:
-            return False
-        self.plain_probes[batch] = self.plain_probes.get(batch, 0) + 1
-        return True
+        return self.plain_probes.get(batch, 0) < TRUSTED_SAMPLES
 
-    def slots_to_draft(self, full: bool) -> int:
-        """Drafter slots to run this step (`full`: every slot, e.g. under a seeded row)."""
-        return self.num_drafts if full or not self.adaptive else self.draft_width
-
-    def ngram_plans(
-        self, rows: Sequence[Row], proposals: Sequence[NgramProposal | None], width: int
-    ) -> list[NgramPlan | None]:
-        """Each row's n-gram proposal (model/engine/proposers.py) with its expected acceptance per slot:
-        greedy rows shrink their own record towards the engine-wide one; sampling rows use their own
+    def copy_estimates(self, rows: Sequence[Row], copies: Proposal | None, width: int) -> list[torch.Tensor | None]:
+        """Each row's n-gram copy's expected acceptance per slot: greedy rows shrink their own record
+        towards the engine-wide one (as aged by this step, `observe`); sampling rows use their own
         record only, so a seeded row decides the same in any batch."""
-        if width:
-            self.ngram_acceptance.fade(NGRAM_FADE)
-        plans: list[NgramPlan | None] = []
-        for row, proposal in zip(rows, proposals):
+        out: list[torch.Tensor | None] = []
+        fade = NGRAM_FADE if width else None
+        for i, row in enumerate(rows):
             record = row.ngram_acceptance
-            if proposal is None or record is None:
-                plans.append(None)
+            slots = copies.count(i) if copies is not None else 0
+            if slots == 0 or record is None:
+                out.append(None)
                 continue
-            n, slots = proposal.match_len, len(proposal.tokens)
+            assert copies is not None and copies.match_lens is not None
+            n = copies.match_lens[i]
             if not row.params.greedy:
                 est = record.estimate(n, slots, self.ngram_prior)
             else:
-                est = record.estimate(n, slots, self.ngram_acceptance.estimate(n, slots, self.ngram_prior))
-            plans.append(NgramPlan(proposal.tokens, n, est.float()))
-        return plans
+                est = record.estimate(n, slots, self.ngram_acceptance.estimate(n, slots, self.ngram_prior, fade))
+            out.append(est.float())
+        return out
 
-    def drafter_rows(self, r: int, d: int, any_seeded: bool, plans: list[NgramPlan | None]) -> tuple[int, int] | None:
+    def drafter_rows(self, step: DecodeStep) -> tuple[int, int] | None:
         """Rows a..b-1 that run the drafter this step (one contiguous span of slots), or None."""
-        if d == 0:
+        if step.plan.drafter_slots == 0:
             return None
-        if any_seeded:
+        if step.plan.any_seeded:
             # A seeded row's choice must not depend on the batch: draft every row, never pause.
-            return 0, r
+            return 0, len(step.rows)
         if self.skip_steps > 0:
-            self.skip_steps -= 1
             return None
         if not self.adaptive or self.drafter_gain is None:
-            return 0, r
+            return 0, len(step.rows)
         # Rows whose n-gram match is expected to accept at least what the drafter lately did skip it.
         want = [
             i
-            for i, plan in enumerate(plans)
-            if plan is None or float(expected_accepted(plan.accept[None])[0, -1]) < self.drafter_gain
+            for i, est in enumerate(step.copy_accept)
+            if est is None or float(expected_accepted(est[None])[0, -1]) < self.drafter_gain
         ]
         return (min(want), max(want) + 1) if want else None
 
-    def choose(
-        self,
-        plans: list[NgramPlan | None],
-        confidence: torch.Tensor | None,
-        span: tuple[int, int],
-        budgets: list[int],
-        greedy_rows: list[bool],
-        full: bool,
-    ) -> StepChoice:
-        """Drafts per row: `confidence` [b - a, d] of the drafter's block for rows span = (a, b), or
-        None when the drafter did not run this step."""
-        r = len(plans)
-        a, b = span
-        d = confidence.shape[1] if confidence is not None else 0
+    def choose(self, step: DecodeStep) -> StepChoice:
+        """Drafts per row, from the step's copies and the drafter's block for rows step.draft_span
+        (its confidence [b - a, d]; none when the drafter did not run this step)."""
+        r = len(step.rows)
+        a, b = step.draft_span
+        if step.draft is not None and step.draft.confidence is None:
+            raise ValueError("the drafter's proposal has no confidence per slot: the policy needs it")
+        confidence = step.draft.confidence[:, : step.drafter_slots] if step.draft is not None else None
         conf = confidence.float().cpu() if confidence is not None else torch.zeros(0, 0)
-        ngram_len = [len(p.tokens) if p is not None else 0 for p in plans]
+        copy_len = [step.copies.count(i) if step.copies is not None else 0 for i in range(r)]
         in_span = [confidence is not None and a <= i < b for i in range(r)]
         if not self.adaptive:
-            choice = self._choose_fixed(conf, in_span, a, ngram_len, budgets)
+            choice = self._choose_fixed(conf, in_span, a, copy_len, step.budgets)
         else:
             choice = StepChoice([0] * r, [False] * r)
-            self._choose_sampling_rows(choice, plans, conf, in_span, a, budgets, greedy_rows)
-            self._choose_greedy_rows(
-                choice, plans, conf, span if confidence is not None else None, budgets, greedy_rows
-            )
+            self._choose_sampling_rows(choice, step, conf, in_span)
+            self._choose_greedy_rows(choice, step, conf, copy_len, confidence is not None)
         if confidence is not None:
-            used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
-            self._adapt_drafting(used, d, full)
+            choice.drafter_used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
         return choice
 
     def _choose_fixed(
-        self, conf: torch.Tensor, in_span: list[bool], a: int, ngram_len: list[int], budgets: list[int]
+        self, conf: torch.Tensor, in_span: list[bool], a: int, copy_len: list[int], budgets: list[int]
     ) -> StepChoice:
         """The drafter's block wherever it ran (up to the first doubtful slot), else the copy."""
         r = len(in_span)
@@ -200,76 +177,63 @@ class DraftPolicy:
         for i in range(r):
             if in_span[i]:
                 choice.counts[i] = min(confident[i - a], budgets[i])
-            elif ngram_len[i]:
-                choice.counts[i], choice.use_ngram[i] = ngram_len[i], True
+            elif copy_len[i]:
+                choice.counts[i], choice.use_ngram[i] = copy_len[i], True
         return choice
 
     def _choose_sampling_rows(
-        self,
-        choice: StepChoice,
-        plans: list[NgramPlan | None],
-        conf: torch.Tensor,
-        in_span: list[bool],
-        a: int,
-        budgets: list[int],
-        greedy_rows: list[bool],
+        self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, in_span: list[bool]
     ) -> None:
         """A row-local, lossless rule. The count of each proposer is a stopping time of its own
         draft sequence (`stopping_drafts`); which proposer is chosen depends only on what is known
         before the first draft is drawn: the copy and its estimates, and the drafter's first-slot
         confidence (later slots may depend on drawn drafts)."""
-        for i, plan in enumerate(plans):
-            if greedy_rows[i]:
+        a = step.draft_span[0]
+        for i, est in enumerate(step.copy_accept):
+            if step.greedy_rows[i]:
                 continue
             n_count, rate_n = 0, 0.0
-            if plan is not None:
-                n_count = int(stopping_drafts(plan.accept[None], torch.tensor([len(plan.tokens)]), 0.0, self.prior)[0])
-                rate_n = float(prior_rate(plan.accept[None], torch.tensor([n_count]), 0.0, self.prior)[0])
+            if est is not None:
+                n_count = int(stopping_drafts(est[None], torch.tensor([est.shape[0]]), 0.0, self.prior)[0])
+                rate_n = float(prior_rate(est[None], torch.tensor([n_count]), 0.0, self.prior)[0])
             if in_span[i]:
                 c = conf[i - a]
+                budget = step.budgets[i]
                 geometric = c[:1].expand(c.shape[0])[None]
-                g_count = stopping_drafts(geometric, torch.tensor([budgets[i]]), 0.0, self.prior)
+                g_count = stopping_drafts(geometric, torch.tensor([budget]), 0.0, self.prior)
                 rate_d = float(prior_rate(geometric, g_count, 0.0, self.prior)[0])
-                if plan is not None and n_count > 0 and rate_n > rate_d:
+                if est is not None and n_count > 0 and rate_n > rate_d:
                     choice.counts[i], choice.use_ngram[i] = n_count, True
                 else:
-                    choice.counts[i] = int(stopping_drafts(c[None], torch.tensor([budgets[i]]), curve=self.prior)[0])
+                    choice.counts[i] = int(stopping_drafts(c[None], torch.tensor([budget]), curve=self.prior)[0])
             elif n_count > 0:
                 choice.counts[i], choice.use_ngram[i] = n_count, True
 
     def _choose_greedy_rows(
-        self,
-        choice: StepChoice,
-        plans: list[NgramPlan | None],
-        conf: torch.Tensor,
-        span: tuple[int, int] | None,
-        budgets: list[int],
-        greedy_rows: list[bool],
+        self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, copy_len: list[int], drafted: bool
     ) -> None:
         """Greedy rows never change their output with the drafts, so choose for the batch: the
         shared width with the best expected token rate, each row taking the better proposer there."""
-        greedy_idx = [i for i, g in enumerate(greedy_rows) if g]
+        greedy_idx = [i for i, g in enumerate(step.greedy_rows) if g]
         if not greedy_idx:
             return
-        r, d = len(plans), conf.shape[1]
-        ngram_len = [len(p.tokens) if p is not None else 0 for p in plans]
-        width = max([d, *ngram_len])
-        budget_t = torch.tensor(budgets)
+        r, d = len(step.rows), conf.shape[1]
+        width = max([d, *copy_len])
+        budget_t = torch.tensor(step.budgets)
         gain_d = torch.zeros(r, width + 1, dtype=torch.float64)
-        if span is not None:
-            a, b = span
+        a, b = step.draft_span
+        if drafted:
             calibrated = self.calibration.calibrate(conf).double()
             gain_d[a:b] = capped_gain(expected_accepted(calibrated), width, budget_t[a:b])
-            # What the drafter is expected to add per row at full width: rows whose copy promises
-            # more skip the next drafter forward (`drafter_rows`).
-            mean_gain = float(expected_accepted(calibrated)[:, -1].mean())
-            self.drafter_gain = mean_gain if self.drafter_gain is None else 0.8 * self.drafter_gain + 0.2 * mean_gain
+            # What the drafter is expected to add per row at full width (`observe` keeps its average:
+            # rows whose copy promises more skip the next drafter forward, `drafter_rows`).
+            choice.drafter_gain = float(expected_accepted(calibrated)[:, -1].mean())
         gain_n = torch.zeros(r, width + 1, dtype=torch.float64)
-        for i, plan in enumerate(plans):
-            if plan is not None:
-                gain_n[i] = capped_gain(expected_accepted(plan.accept[None].double()), width, torch.tensor([width]))[0]
+        for i, est in enumerate(step.copy_accept):
+            if est is not None:
+                gain_n[i] = capped_gain(expected_accepted(est[None].double()), width, torch.tensor([width]))[0]
         best = torch.maximum(gain_d[greedy_idx], gain_n[greedy_idx])
-        draft_cost = self.costs.draft(span[1] - span[0]) if span is not None else 0.0
+        draft_cost = self.costs.draft(b - a) if drafted else 0.0
         shared, _rate = best_shared_width(best, self.costs, draft_cost)
         # Sampling rows may widen the forward: greedy rows use the padded width for free.
         k = max([shared, *choice.counts])
@@ -277,9 +241,50 @@ class DraftPolicy:
             return
         for i in greedy_idx:
             if gain_n[i, k] > gain_d[i, k]:
-                choice.counts[i], choice.use_ngram[i] = min(k, ngram_len[i]), True
+                choice.counts[i], choice.use_ngram[i] = min(k, copy_len[i]), True
             elif gain_d[i, k] > 0:
-                choice.counts[i] = min(k, d, budgets[i])
+                choice.counts[i] = min(k, d, step.budgets[i])
+
+    # -- what happened ------------------------------------------------------------------------------
+    def observe(self, step: DecodeStep) -> None:
+        """Learn from a finished step: the plan it ran, the choice it made and what was accepted."""
+        plan, choice, results = step.plan, step.choice, step.results
+        assert choice is not None and results is not None and step.drafts is not None
+        if plan.probe:
+            self.plain_probes[len(step.rows)] = self.plain_probes.get(len(step.rows), 0) + 1
+        if plan.drafter_slots and not plan.any_seeded and self.skip_steps > 0:
+            self.skip_steps -= 1  # a paused step (`drafter_rows`)
+        if step.ngram_width:
+            self.ngram_acceptance.fade(NGRAM_FADE)
+        if choice.drafter_gain is not None:
+            gain = choice.drafter_gain
+            self.drafter_gain = gain if self.drafter_gain is None else 0.8 * self.drafter_gain + 0.2 * gain
+        if step.draft is not None:
+            self._adapt_drafting(choice.drafter_used, plan.drafter_slots, plan.full)
+            self._observe_drafter(step)
+        if step.copies is not None and step.copies.match_lens is not None:
+            for i, row in enumerate(step.rows):
+                if choice.use_ngram[i] and choice.counts[i] > 0 and step.copy_accept[i] is not None:
+                    match_len, verified, accepted = step.copies.match_lens[i], choice.counts[i], results.accepted[i]
+                    if row.ngram_acceptance is not None:
+                        row.ngram_acceptance.observe(match_len, verified, accepted)
+                    if row.params.greedy:
+                        self.ngram_acceptance.observe(match_len, verified, accepted)
+
+    def _observe_drafter(self, step: DecodeStep) -> None:
+        """Calibrate the drafter on the greedy rows that verified its drafts."""
+        assert step.draft is not None and step.drafts is not None and step.choice is not None
+        assert step.accepted is not None
+        k = step.drafts.tokens.shape[1]
+        a, b = step.draft_span
+        mine = [i for i in range(a, b) if step.greedy_rows[i] and not step.choice.use_ngram[i]]
+        if k == 0 or not mine:
+            return
+        idx = torch.tensor(mine, device=step.accepted.device)
+        confidence = step.draft.confidence
+        assert confidence is not None  # `choose` checked
+        conf = confidence[idx - a, : min(k, confidence.shape[1])].float()
+        self.calibration.observe(conf, step.drafts.counts[idx], step.accepted[idx])
 
     def _adapt_drafting(self, used: int, d: int, full: bool) -> None:
         """After a drafter forward that had `used` of its `d` slots verified (at most, over rows)."""
@@ -304,18 +309,6 @@ class DraftPolicy:
             self.draft_width += 1
         elif used <= d - 2 and not full:
             self.draft_width = max(1, self.draft_width - 1)
-
-    # -- what happened ------------------------------------------------------------------------
-    def observe_drafter(self, confidence: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Greedy rows that verified the drafter's drafts: confidence [R, k], verified [R], accepted [R]."""
-        self.calibration.observe(confidence, num_drafts, accepted)
-
-    def observe_ngram(self, row: Row, plan: NgramPlan, verified: int, accepted: int, greedy: bool) -> None:
-        """A row verified `verified` drafts of its copy and accepted the first `accepted`."""
-        if row.ngram_acceptance is not None:
-            row.ngram_acceptance.observe(plan.match_len, verified, accepted)
-        if greedy:
-            self.ngram_acceptance.observe(plan.match_len, verified, accepted)
 
 
 def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:

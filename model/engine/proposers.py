@@ -9,11 +9,11 @@ how much of it); neither touches the target or the rows' state.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from model.engine.ngram import NgramProposal
 from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
 from model.kv.draft_cache import DraftContextCache
@@ -23,10 +23,48 @@ if TYPE_CHECKING:
     from model.engine.static import StaticSteps
 
 
+@dataclass
+class Proposal:
+    """Drafts one proposer offers a run of rows: the one type every proposer returns, whatever it is
+    (the drafter's block, an n-gram copy, a test's oracle). Row i here is the i-th row it was asked
+    about."""
+
+    tokens: torch.Tensor  # [R, k] draft ids (on the device from a drafter, on the host for copies)
+    token_probs: torch.Tensor | None = None  # [R, k] its probability of each draft (None: 1, a copy)
+    draft_probs: torch.Tensor | None = None  # [R, k, V] its distribution per slot (sampling rows; V: draft vocab)
+    confidence: torch.Tensor | None = None  # [R, k] its own estimate that each draft is right, before the draw
+    counts: list[int] | None = None  # drafts offered per row, on the host (None: k for every row)
+    match_lens: list[int] | None = None  # copies: the length of the n-gram each row matched
+
+    def count(self, i: int) -> int:
+        """Drafts offered to row i."""
+        return self.tokens.shape[1] if self.counts is None else self.counts[i]
+
+    def select(self, a: int, b: int, k: int) -> Proposal:
+        """Rows a..b-1 and their first k drafts."""
+
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[a:b, :k]
+
+        return Proposal(
+            self.tokens[a:b, :k],
+            cut(self.token_probs),
+            cut(self.draft_probs),
+            cut(self.confidence),
+            None if self.counts is None else [min(n, k) for n in self.counts[a:b]],
+            None if self.match_lens is None else self.match_lens[a:b],
+        )
+
+    @classmethod
+    def of_draft(cls, draft: DraftResult) -> Proposal:
+        """The drafter network's block (model/nn/drafter.py) as a proposal."""
+        return cls(draft.tokens, draft.token_probs, draft.draft_probs, draft.confidence)
+
+
 class DraftProposer(Protocol):
     def propose(
         self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
-    ) -> DraftResult:
+    ) -> Proposal:
         """Drafts for the first `num_slots` slots of one block per row, for the rows in cache slots
         lo.. (`anchors` [R]: each row's last committed token)."""
         ...
@@ -51,12 +89,12 @@ class DrafterProposer:
 
     def propose(
         self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
-    ) -> DraftResult:
+    ) -> Proposal:
         if self.static is not None and lo == 0 and sampling.all_greedy and num_slots == self.num_drafts:
             drafted = self.static.run_propose(anchors)
             if drafted is not None:
-                return DraftResult(drafted[0], drafted[1], None, drafted[2])
-        return self.draft_block(lo, anchors, sampling, num_slots)
+                return Proposal(drafted[0], drafted[1], None, drafted[2])
+        return Proposal.of_draft(self.draft_block(lo, anchors, sampling, num_slots))
 
     def draft_block(
         self, lo: int, anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int, static: bool = False
@@ -81,13 +119,16 @@ class DrafterProposer:
 class NgramProposer:
     """Prompt-lookup copies from each row's own prompt and output (model/engine/ngram.py)."""
 
-    def propose(self, rows: Sequence[Row], budgets: list[int], width: int) -> list[NgramProposal | None]:
-        """Each row's copy of at most `width` tokens within its budget, or None."""
-        out: list[NgramProposal | None] = []
-        for row, budget in zip(rows, budgets):
+    def propose(self, rows: Sequence[Row], budgets: list[int], width: int) -> Proposal | None:
+        """Each row's copy of at most `width` tokens within its budget (a count of 0: none); None
+        when no copy may be proposed this step. The tokens stay on the host until one is chosen."""
+        if width == 0:
+            return None
+        tokens = [[0] * width for _ in rows]
+        counts, match_lens = [0] * len(rows), [0] * len(rows)
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
             index = row.ngram
-            if index is None or width == 0 or budget == 0:
-                out.append(None)
+            if index is None or budget == 0:
                 continue
             # Catch the index up with what was committed since (prompt first, then the output).
             seen, plen = len(index), len(row.prompt_ids)
@@ -95,5 +136,8 @@ class NgramProposer:
                 index.extend(row.prompt_ids[seen:])
                 seen = plen
             index.extend(row.output_ids[seen - plen :])
-            out.append(index.propose(min(width, budget)))
-        return out
+            copy = index.propose(min(width, budget))
+            if copy is not None:
+                tokens[i][: len(copy.tokens)] = copy.tokens
+                counts[i], match_lens[i] = len(copy.tokens), copy.match_len
+        return Proposal(torch.tensor(tokens, dtype=torch.long), counts=counts, match_lens=match_lens)

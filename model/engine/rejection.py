@@ -1,54 +1,39 @@
 """The rejection sampler (docs/design.md §1.4): the drafts each row verifies, assembled from its
 chosen proposal, and which of them the target accepts, greedy or by speculative sampling, with the
-bonus token after the last accepted one. Pure tensor work over one step: no rows, no caches.
+token after the last accepted one. Pure tensor work over one step: no caches, no state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from model.engine.policy import NgramPlan, StepChoice
-from model.engine.sampling import SamplingBatch, processed_probs, verify_greedy, verify_sampling
-from model.nn.drafter import DraftResult
+from model.engine.proposers import Proposal
+from model.engine.sampling import processed_probs, verify_greedy, verify_sampling
+from model.engine.step import DecodeStep, Drafts
 
 
-@dataclass
-class Proposals:
-    """One step's proposals: each row's n-gram copy, and the drafter's block for rows span[0]..span[1]-1."""
-
-    plans: list[NgramPlan | None]
-    draft: DraftResult | None  # None: the drafter did not run this step
-    span: tuple[int, int]
-
-
-@dataclass
-class Drafts:
-    """What one step verifies, per row."""
-
-    tokens: torch.Tensor  # [R, k] drafts (padding past a row's count is verified but never counted)
-    token_probs: torch.Tensor  # [R, k] the proposer's probability of each draft (1 for a copy)
-    counts: torch.Tensor  # [R] drafts verified
-    from_ngram: torch.Tensor  # [R] bool: the drafts are the row's n-gram copy
-
-
-def assemble_drafts(proposals: Proposals, choice: StepChoice, d: int, device: torch.device) -> Drafts:
-    """The drafts each row verifies, from its chosen proposer (`d`: the drafter's slots this step)."""
+def assemble_drafts(step: DecodeStep, device: torch.device) -> Drafts:
+    """The drafts each row verifies, from its chosen proposer: the drafter's block for rows
+    step.draft_span, else the row's n-gram copy."""
+    choice = step.choice
+    assert choice is not None
     r, k = len(choice.counts), max(choice.counts, default=0)
-    draft, (a, b) = proposals.draft, proposals.span
+    draft, (a, b) = step.draft, step.draft_span
     tokens = torch.zeros(r, k, dtype=torch.long, device=device)
     token_probs = torch.ones(r, k, device=device)
     if draft is not None and k > 0:
-        kd = min(k, d)
+        kd = min(k, step.drafter_slots)
         tokens[a:b, :kd] = draft.tokens[:, :kd]
-        token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
+        if draft.token_probs is not None:
+            token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
     from_ngram = torch.tensor(choice.use_ngram, dtype=torch.bool)
-    if k > 0 and bool(from_ngram.any()):
+    if k > 0 and any(choice.use_ngram):
+        assert step.copies is not None
         copied = torch.zeros(r, k, dtype=torch.long)
-        for i, plan in enumerate(proposals.plans):
-            if choice.use_ngram[i] and plan is not None:
-                copied[i, : choice.counts[i]] = torch.tensor(plan.tokens[: choice.counts[i]])
+        for i in range(r):
+            n = choice.counts[i]
+            if choice.use_ngram[i] and step.copies.count(i) and n:
+                copied[i, :n] = step.copies.tokens[i, :n]
         mask = from_ngram.to(device)[:, None]
         tokens = torch.where(mask, copied.to(device), tokens)
         token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
@@ -57,51 +42,48 @@ def assemble_drafts(proposals: Proposals, choice: StepChoice, d: int, device: to
 
 
 def accept(
-    scores: torch.Tensor,
-    drafts: Drafts,
-    sampling: SamplingBatch,
-    uniforms: torch.Tensor,
-    width: int,
-    proposals: Proposals,
-    any_greedy: bool,
-    draft_vocab_ids: torch.Tensor | None,
+    scores: torch.Tensor, step: DecodeStep, draft_vocab_ids: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(accepted drafts [R], bonus token [R]) from the target's processed scores [R, k + 1, V].
+    """(accepted drafts [R], token after them [R]) from the target's processed scores [R, k + 1, V].
 
     Greedy rows accept while the draft is the argmax; sampling rows run the speculative-sampling
-    test with the row's uniforms (`uniforms[:, width:width + k]` for the drafts, `[:, 2 * width]` for
-    the final token), against the drafter's distributions where it drafted and a one-hot for copies.
-    `any_greedy` is known on the host, so no device read decides which branch runs."""
+    test with the row's uniforms (`step.draws`: one per test, one for the final token), against the
+    drafter's distributions where it drafted and a one-hot for copies. Which rows are greedy is known
+    on the host, so no device read decides which branch runs."""
+    drafts, sampling = step.drafts, step.sampling
+    assert drafts is not None
     r, k = drafts.tokens.shape
     dev = scores.device
     accepted = torch.zeros(r, dtype=torch.long, device=dev)
     bonus = torch.zeros(r, dtype=torch.long, device=dev)
     greedy = sampling.greedy
-    if any_greedy:
+    if any(step.greedy_rows):
         g = greedy.nonzero().squeeze(1)
         accepted[g], bonus[g] = verify_greedy(scores[g], drafts.tokens[g], drafts.counts[g])
     if not sampling.all_greedy:
         s = (~greedy).nonzero().squeeze(1)
-        draft, (a, b) = proposals.draft, proposals.span
         p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
+        uniforms = step.uniforms[s]
         accepted[s], bonus[s] = verify_sampling(
             p,
             drafts.tokens[s],
             drafts.token_probs[s],
-            draft_dists(draft, s, a, b, draft.tokens.shape[1] if draft is not None else 0, k),
+            draft_dists(step.draft, s, step.draft_span, k),
             drafts.counts[s],
-            uniforms[s, width : width + k],
-            uniforms[s, 2 * width],
+            step.draws.acceptance_tests(uniforms, k),
+            step.draws.final_token(uniforms),
             draft_vocab_ids,
             onehot=drafts.from_ngram[s],
         )
     return accepted, bonus
 
 
-def draft_dists(draft: DraftResult | None, s: torch.Tensor, a: int, b: int, d: int, k: int) -> torch.Tensor | None:
+def draft_dists(draft: Proposal | None, s: torch.Tensor, span: tuple[int, int], k: int) -> torch.Tensor | None:
     """The drafter's distributions [S, k, Vd] for sampling rows s (rows it did not draft: zeros)."""
     if draft is None or draft.draft_probs is None or k == 0:
         return None
+    a, b = span
+    d = draft.tokens.shape[1]
     idx = s.tolist()
     if k <= d and all(a <= i < b for i in idx):
         return draft.draft_probs[s - a, :k]

@@ -94,6 +94,19 @@ class RequestStats:
                 total.accepted_tokens_by_proposer[who] = total.accepted_tokens_by_proposer.get(who, 0) + n
         return total
 
+    def record_verify(self, proposer: str | None, drafted: int, accepted: int) -> None:
+        """One verify step: `drafted` drafts from `proposer` (None: no drafts), the first `accepted` accepted."""
+        self.verify_steps += 1
+        self.steps_with_drafts += drafted > 0
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if proposer is not None:
+            self.draft_tokens_by_proposer[proposer] = self.draft_tokens_by_proposer.get(proposer, 0) + drafted
+            self.accepted_tokens_by_proposer[proposer] = self.accepted_tokens_by_proposer.get(proposer, 0) + accepted
+        self.acceptance_lengths.append(accepted + 1)
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
     @property
     def mean_acceptance_length(self) -> float | None:
         if not self.acceptance_lengths:

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from model.engine.engine import ContextLengthError, Engine, SamplingParams
+from model.engine.proposers import Proposal
 from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
 from model.kv.prefix_cache import CachedBlock
-from model.nn.drafter import DraftResult
 from model.nn.target import TargetModel
 from tests.helpers import assert_lengths_mirrored, tiny_drafter, tiny_target
 
@@ -108,7 +108,7 @@ class OracleProposer:
 
     def propose(
         self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
-    ) -> DraftResult:
+    ) -> Proposal:
         d = num_slots
         out = torch.zeros(len(rows), d, dtype=torch.long)
         for i, row in enumerate(rows):
@@ -119,7 +119,7 @@ class OracleProposer:
                 out[i, j] = future[j]
                 if j in self.corrupt:
                     out[i, j] = (future[j] + 1) % self.vocab_size
-        return DraftResult(out, torch.ones(len(rows), d), None, torch.ones(len(rows), d))
+        return Proposal(out, torch.ones(len(rows), d), None, torch.ones(len(rows), d))
 
 
 def oracle_engine(

@@ -5,17 +5,37 @@ from __future__ import annotations
 
 import torch
 
-from model.engine.policy import NgramPlan, StepChoice
-from model.engine.rejection import Drafts, Proposals, accept, assemble_drafts, draft_dists
+from model.engine.proposers import Proposal
+from model.engine.rejection import accept, assemble_drafts, draft_dists
 from model.engine.sampling import SamplingBatch
-from model.nn.drafter import DraftResult
+from model.engine.step import DecodeStep, Drafts, DrawLayout, StepChoice, StepPlan
 
 V = 8
 
 
-def _draft(tokens: list[list[int]], probs: torch.Tensor | None = None) -> DraftResult:
+def _draft(tokens: list[list[int]], probs: torch.Tensor | None = None) -> Proposal:
     t = torch.tensor(tokens)
-    return DraftResult(t, torch.full(t.shape, 0.5), probs, torch.full(t.shape, 0.9))
+    return Proposal(t, torch.full(t.shape, 0.5), probs, torch.full(t.shape, 0.9))
+
+
+def _step(
+    sampling: SamplingBatch,
+    uniforms: torch.Tensor,
+    width: int,
+    draft: Proposal | None = None,
+    span: tuple[int, int] = (0, 0),
+    **fields: object,
+) -> DecodeStep:
+    """A step over len(temperatures) rows (no rows objects: the rejection sampler never reads them)."""
+    r = sampling.temperature.shape[0]
+    step = DecodeStep(
+        lo=0, hi=r, rows=[], anchors=torch.zeros(r, dtype=torch.long), sampling=sampling, uniforms=uniforms,
+        draws=DrawLayout(width), plan=StepPlan(False, width, True, False), ngram_width=width,
+        greedy_rows=(sampling.temperature <= 0).tolist(), budgets=[width] * r, draft=draft, draft_span=span,
+    )  # fmt: skip
+    for name, value in fields.items():
+        setattr(step, name, value)
+    return step
 
 
 def _sampling(temperatures: list[float], uniforms: torch.Tensor) -> SamplingBatch:
@@ -37,13 +57,23 @@ def _scores(argmax: list[list[int]], margin: float = 20.0) -> torch.Tensor:
 
 def test_assemble_takes_each_rows_chosen_proposer() -> None:
     # Rows 0..1 ran the drafter (span 0..2); row 1 and row 2 verify their n-gram copies instead.
-    plans = [None, NgramPlan([4, 4, 4], 3, torch.ones(3)), NgramPlan([6], 1, torch.ones(1))]
-    proposals = Proposals(plans, _draft([[1, 2, 3], [5, 5, 5]]), (0, 2))
+    copies = Proposal(torch.tensor([[0, 0, 0], [4, 4, 4], [6, 0, 0]]), counts=[0, 3, 1], match_lens=[0, 3, 1])
     choice = StepChoice(counts=[3, 2, 1], use_ngram=[False, True, True])
-    d = assemble_drafts(proposals, choice, d=3, device=torch.device("cpu"))
+    sampling = _sampling([0.0, 0.0, 0.0], None)  # type: ignore[arg-type]
+    step = _step(sampling, torch.zeros(3, 7), 3, _draft([[1, 2, 3], [5, 5, 5]]), (0, 2), copies=copies, choice=choice)
+    d = assemble_drafts(step, device=torch.device("cpu"))
     assert d.tokens.tolist() == [[1, 2, 3], [4, 4, 0], [6, 0, 0]]
     assert d.token_probs.tolist() == [[0.5, 0.5, 0.5], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]  # a copy is one-hot
     assert d.counts.tolist() == [3, 2, 1] and d.from_ngram.tolist() == [False, True, True]
+
+
+def test_the_draw_layout_names_each_part_of_a_rows_uniforms() -> None:
+    layout = DrawLayout(width=3)
+    u = torch.arange(2 * layout.per_row, dtype=torch.float32).reshape(2, layout.per_row)
+    assert layout.per_row == 7
+    assert layout.draft_slots(u, 2).tolist() == [[0, 1], [7, 8]]
+    assert layout.acceptance_tests(u, 2).tolist() == [[3, 4], [10, 11]]
+    assert layout.final_token(u).tolist() == [6, 13]
 
 
 def test_greedy_rows_accept_while_the_draft_is_the_argmax_then_take_the_bonus() -> None:
@@ -53,9 +83,8 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax_then_take_the_bonus() 
     )  # fmt: skip
     # Target argmax after [anchor, d1, d2, d3]: 1, 2, 3, then 7.
     scores = _scores([[1, 2, 3, 7], [1, 2, 3, 7], [4, 5, 5, 5]])
-    proposals = Proposals([None] * 3, None, (0, 0))
     sampling = _sampling([0.0, 0.0, 0.0], None)  # type: ignore[arg-type]
-    accepted, bonus = accept(scores, drafts, sampling, torch.zeros(3, 7), 3, proposals, True, None)
+    accepted, bonus = accept(scores, _step(sampling, torch.zeros(3, 7), 3, drafts=drafts), None)
     # Row 0: all three, bonus 7; row 1: the second draft (1) is not 2; row 2: its one draft, bonus 5.
     assert accepted.tolist() == [3, 1, 1] and bonus.tolist() == [7, 2, 5]
 
@@ -71,11 +100,11 @@ def test_sampling_rows_accept_what_the_target_would_draw_and_reject_what_it_neve
     scores = _scores([[2, 2, 2]] * 3)
     dist = torch.zeros(3, 2, V)
     dist[:, :, 5], dist[:, :, 2] = 0.9, 0.1
-    proposals = Proposals([None] * 3, _draft([[5, 2], [5, 2], [5, 2]], dist), (0, 3))
+    draft = _draft([[5, 2], [5, 2], [5, 2]], dist)
     for seed in range(5):
         u = torch.rand(3, 5, generator=torch.Generator().manual_seed(seed))
         sampling = _sampling([1.0, 1.0, 0.0], u)
-        accepted, bonus = accept(scores, drafts, sampling, u, 2, proposals, True, None)
+        accepted, bonus = accept(scores, _step(sampling, u, 2, draft, (0, 3), drafts=drafts), None)
         assert accepted.tolist() == [2, 0, 2] and bonus.tolist() == [2, 2, 2], seed
 
 
@@ -83,10 +112,10 @@ def test_draft_dists_give_rows_the_drafter_did_not_draft_zeros() -> None:
     probs = torch.rand(2, 3, V)
     draft = _draft([[1, 1, 1], [2, 2, 2]], probs)
     s = torch.tensor([0, 2, 3])  # sampling rows; the drafter drafted rows 1..2 (span 1..3)
-    full = draft_dists(draft, s, 1, 3, d=3, k=2)
+    full = draft_dists(draft, s, (1, 3), k=2)
     assert full is not None and full.shape == (3, 2, V)
     assert torch.equal(full[0], torch.zeros(2, V)) and torch.equal(full[2], torch.zeros(2, V))
     assert torch.equal(full[1], probs[1, :2])
-    inside = draft_dists(draft, torch.tensor([1, 2]), 1, 3, d=3, k=2)
+    inside = draft_dists(draft, torch.tensor([1, 2]), (1, 3), k=2)
     assert inside is not None and torch.equal(inside, probs[:, :2])
-    assert draft_dists(None, s, 1, 3, d=3, k=2) is None
+    assert draft_dists(None, s, (1, 3), k=2) is None

@@ -13,8 +13,8 @@ import torch
 from scipy.stats import chi2
 
 from model.engine.engine import Engine, SamplingParams
+from model.engine.proposers import Proposal
 from model.engine.sampling import processed_probs, sample_with_uniform, verify_sampling
-from model.nn.drafter import DraftResult
 from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 
@@ -181,7 +181,7 @@ class ScheduledConfidence(Engine):
         self.decode_steps += 1
         return super()._decode(*args, **kwargs)
 
-    def propose(self, lo: int, rows: Any, anchors: torch.Tensor, sampling: Any, num_slots: int) -> DraftResult:
+    def propose(self, lo: int, rows: Any, anchors: torch.Tensor, sampling: Any, num_slots: int) -> Proposal:
         assert self.inner is not None
         draft = self.inner.propose(lo, rows, anchors, sampling, num_slots)
         self.proposals.append((self.decode_steps, num_slots))

@@ -36,12 +36,13 @@ def test_ngram_proposer_copies_what_followed_the_last_match_within_budget() -> N
     row = _row("a", [5, 6, 7, 8, 5, 6], [7], ngram=True)
     plain = _row("b", [1, 2, 3])  # no index: no copy
     proposer = NgramProposer()
-    copy, none = proposer.propose([row, plain], budgets=[8, 8], width=3)
-    assert none is None and copy is not None
-    assert copy.tokens == [8, 5, 6] and copy.match_len == 3
+    copies = proposer.propose([row, plain], budgets=[8, 8], width=3)
+    assert copies is not None and copies.counts == [3, 0]  # the plain row has no index: no copy
+    assert copies.tokens[0].tolist() == [8, 5, 6] and copies.match_lens is not None and copies.match_lens[0] == 3
     # The index caught up with the prompt and output; a tighter budget or width cuts the copy.
     assert len(row.ngram) == 7
-    (short,) = proposer.propose([row], budgets=[2], width=3)
-    assert short is not None and short.tokens == [8, 5]
-    assert proposer.propose([row], budgets=[0], width=3) == [None]
-    assert proposer.propose([row], budgets=[5], width=0) == [None]
+    short = proposer.propose([row], budgets=[2], width=3)
+    assert short is not None and short.counts == [2] and short.tokens[0, :2].tolist() == [8, 5]
+    none = proposer.propose([row], budgets=[0], width=3)
+    assert none is not None and none.counts == [0]
+    assert proposer.propose([row], budgets=[5], width=0) is None

@@ -1,0 +1,117 @@
+"""One decode step as data: what the step works on, what each phase decided and what came of it.
+
+The engine's phases (model/engine/engine.py: propose -> choose -> verify -> accept -> emit) fill one
+`DecodeStep`; the policy plans from it and observes it afterwards, the rejection sampler reads its
+drafts and random draws. The layout of a row's random draws is named here, once (`DrawLayout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.engine.proposers import Proposal
+from model.engine.requests import TokenLogprob
+from model.engine.row import Row
+from model.engine.sampling import SamplingBatch
+
+
+@dataclass(frozen=True)
+class DrawLayout:
+    """A row's uniforms for one step, `2 * width + 1` of them, in three parts: one per drafter slot
+    (the drafter's own sampling), one per verified draft (the acceptance tests), one for the token
+    drawn after the last accepted draft. A fixed count per step, whatever is verified, so a seeded
+    row's stream is the same alone or in any batch."""
+
+    width: int  # the most drafts a row may verify this step
+
+    @property
+    def per_row(self) -> int:
+        return 2 * self.width + 1
+
+    def draft_slots(self, uniforms: torch.Tensor, d: int) -> torch.Tensor:
+        """[R, d] for the drafter's first d slots."""
+        return uniforms[:, :d]
+
+    def acceptance_tests(self, uniforms: torch.Tensor, k: int) -> torch.Tensor:
+        """[R, k] for the tests of k verified drafts."""
+        return uniforms[:, self.width : self.width + k]
+
+    def final_token(self, uniforms: torch.Tensor) -> torch.Tensor:
+        """[R] for the token after the last accepted draft."""
+        return uniforms[:, 2 * self.width]
+
+
+@dataclass
+class StepPlan:
+    """What the policy decided before anything was proposed (model/engine/policy.py: `plan`)."""
+
+    probe: bool  # decode without drafts, to measure a plain step at this batch size
+    drafter_slots: int  # slots the drafter runs (0: none)
+    full: bool  # every slot drafted (a seeded sampling row, or the fixed policy)
+    any_seeded: bool  # a seeded sampling row: its choices must not depend on the batch
+
+
+@dataclass
+class StepChoice:
+    """Drafts verified per row this step, and whether they are the row's n-gram copy (else the drafter's),
+    with what the policy will learn from the choice once the step is done."""
+
+    counts: list[int]
+    use_ngram: list[bool]
+    drafter_gain: float | None = None  # mean expected accepted drafts of the drafter's block
+    drafter_used: int = 0  # the most drafter drafts any row verifies
+
+
+@dataclass
+class Drafts:
+    """What one step verifies, per row, assembled from each row's chosen proposal."""
+
+    tokens: torch.Tensor  # [R, k] drafts (padding past a row's count is verified but never counted)
+    token_probs: torch.Tensor  # [R, k] the proposer's probability of each draft (1 for a copy)
+    counts: torch.Tensor  # [R] drafts verified
+    from_ngram: torch.Tensor  # [R] bool: the drafts are the row's n-gram copy
+
+
+@dataclass
+class StepResults:
+    """A step's results on the host, per row."""
+
+    accepted: list[int]
+    bonus: list[int]
+    new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+
+@dataclass
+class DecodeStep:
+    """Rows lo..hi-1 through one speculative step. The fields after `budgets` are filled phase by phase."""
+
+    lo: int
+    hi: int
+    rows: list[Row]
+    anchors: torch.Tensor  # [R] each row's last committed token
+    sampling: SamplingBatch  # the rows' parameters, with the drafter slots' uniforms
+    uniforms: torch.Tensor  # [R, draws.per_row]
+    draws: DrawLayout
+    plan: StepPlan
+    ngram_width: int  # most tokens an n-gram copy may propose
+    greedy_rows: list[bool]
+    budgets: list[int]  # tokens each row may still emit after this step's bonus
+    # propose
+    copies: Proposal | None = None  # each row's n-gram copy
+    copy_accept: list[torch.Tensor | None] = field(default_factory=list)  # their estimated acceptance per slot
+    draft: Proposal | None = None  # the drafter's block for rows draft_span (None: it did not run)
+    draft_span: tuple[int, int] = (0, 0)
+    # choose
+    choice: StepChoice | None = None
+    drafts: Drafts | None = None
+    # accept
+    accepted: torch.Tensor | None = None  # [R] accepted drafts
+    bonus: torch.Tensor | None = None  # [R] the token after them
+    results: StepResults | None = None
+
+    @property
+    def drafter_slots(self) -> int:
+        return self.plan.drafter_slots
