@@ -75,7 +75,7 @@ def teacher_forced(check: Check, target: Any, drafter: Any, batches: list[int]) 
             drafts = torch.randint(0, target.vocab_size, (batch, t - 1), generator=gen).tolist()
             rows = [[a] + d for a, d in zip(anchors["graph"], drafts)]
             tokens = torch.tensor(rows, device=target.device)
-            logits = {v: e._target_verify(0, tokens).logits.float().clone() for v, e in engines.items()}
+            logits = {v: e.runner.verify(0, tokens).logits.float().clone() for v, e in engines.items()}
             written = sorted(set(engines["eager"].cache.written))  # the last dynamic forward's layers
             hf, copy_hits = [], 0
             for r, i in enumerate(order):

@@ -65,7 +65,7 @@ DEFINITIONS = {
     "projection.<m>.speedup_engine": "tau * engine.ar.step_ms / engine.<m>.step_ms",
     "projection.domino.head_overhead": "head_ms / (backbone + draft_base + append + target_ms[B + 1])",
     "projection.<m>.speedup_graph": "tau * graph ar step_ms / graph <m> step_ms (variant graph)",
-    "graph_vs_eager.verify_<T>": "Engine._target_verify of T tokens per row (T = 1: ar engine, T = W + 1: domino)",
+    "graph_vs_eager.verify_<T>": "ModelRunner.verify of T tokens per row (T = 1: ar engine, T = W + 1: domino)",
     "graph_vs_eager.propose_<m>": "the proposer's full greedy block (backbone + draft; the static bucket)",
     "graph_vs_eager.step_<m>": "Engine.step() of the <m> engine, as engine.<m>.step_ms",
     "graph_vs_eager.head": "propose_domino - propose_dflash per variant: the head as the engine runs it",
@@ -155,7 +155,7 @@ def measure_calls(engine: Engine, batch: int, ctx: int, timed: Callable[[Callabl
     out: dict[str, Any] = {"verify_ms": {}}
     for t in [1] if engine.drafter is None else [engine.max_drafts_per_step + 1]:
         tokens = torch.randint(0, engine.target.vocab_size, (batch, t), device=engine.device, generator=gen)
-        out["verify_ms"][t] = timed(partial(engine._target_verify, 0, tokens))
+        out["verify_ms"][t] = timed(partial(engine.runner.verify, 0, tokens))
     if engine.drafter is not None:
         anchors = torch.tensor([row.anchor for row in engine.rows], dtype=torch.long, device=engine.device)
         sampling = SamplingBatch.of_params([r.params for r in engine.rows], None, engine.device)  # greedy: static

@@ -225,12 +225,12 @@ def part_timings(check: Check) -> None:
             for rb in batches:
                 for t in widths:
                     tokens = torch.randint(0, target.vocab_size, (rb, t), device=device, generator=gen)
-                    fn = StaticFunction(f"verify[{rb}x{t}]", engine._static_verify, (tokens,), graphs)
+                    fn = StaticFunction(f"verify[{rb}x{t}]", engine.runner.static_verify, (tokens,), graphs)
                     variant = "graph" if fn.graph is not None else "static"
                     check.record("verify", batch=rb, T=t, variant=variant, **base,
                                  **time_calls(partial(fn, tokens), device, sz["repeats"]))  # fmt: skip
                     if rb == 1 and i == 0 and t in LONG_WIDTHS:  # the dynamic path, as the CPU serves
-                        eager = partial(target.forward, engine.cache, 0, tokens, taps=engine.taps)
+                        eager = partial(target.forward, engine.cache, 0, tokens, taps=engine.runner.taps)
                         check.record("verify", batch=rb, T=t, variant="eager", **base,
                                      **time_calls(eager, device, sz["repeats"]))  # fmt: skip
                     del fn

@@ -26,7 +26,7 @@ class EngineConfig:
     ngram_max_drafts: int = 8
     static_shapes: bool | None = None  # fixed-shape buckets (CUDA graphs); None: on for CUDA
     cuda_graphs: bool = True  # capture the static buckets (CUDA only)
-    prefill_split_tokens: int | None = None  # None: 512 on CUDA, 32 on the CPU (engine.prefill_groups)
+    prefill_split_tokens: int | None = None  # None: 512 on CUDA, 32 on the CPU (model/engine/prefill.py)
     prefix_cache_tokens: int = 0  # 0: no prefix cache
     prefix_block_size: int = 16  # the prefix cache's granularity, in tokens
     capture_taps: tuple[int, ...] | None = None  # record these target layers' features (training data)

@@ -9,9 +9,6 @@ Modes: `domino` (Domino head on), `dflash` (head off: base logits only), `ngram`
 copies from each row's own context, no drafter), `ar` (no drafts: plain batched autoregressive
 decoding through the same code path). In `domino`/`dflash` the n-gram copies are on by default too:
 per row and step the policy verifies whichever proposal it expects to pay more (or none).
-
-Over 500 lines for now: the step loop still holds first-token sampling, prefill, slot compaction
-and statistics; the engine-loop step (shared/ENGINE_PLAN.md) gives them modules of their own.
 """
 
 from __future__ import annotations
@@ -29,40 +26,15 @@ from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
 from model.engine.ngram import NgramIndex
 from model.engine.policy import DraftPolicy
-from model.engine.prefill import Prefiller
-from model.engine.proposers import DrafterProposer, DraftProposer, NgramProposer
+from model.engine.proposers import DraftProposer, NgramProposer
 from model.engine.rejection import accept, assemble_drafts
-from model.engine.requests import (
-    ContextLengthError,
-    RequestOutput,
-    RequestStats,
-    SamplingParams,
-    StepTiming,
-)
-from model.engine.row import Row, commit, draw_uniforms, seed_generator
-from model.engine.sampling import SamplingBatch
+from model.engine.requests import RequestOutput, RequestStats, SamplingParams, StepTiming, check_prompt
+from model.engine.row import Row, commit, seed_generator
+from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
-from model.engine.static import StaticSteps, batch_buckets, verify_widths
-from model.engine.step import DecodeStep, DrawLayout, StepResults
-from model.kv.prefix_cache import PrefixCache
-from model.nn.drafter import Drafter, new_context_cache
+from model.engine.step import DecodeStep, StepResults
+from model.nn.drafter import Drafter
 from model.nn.target import TargetModel, TargetOutput
-
-
-def _check_drafter(mode: str, drafter: Drafter | None) -> None:
-    if mode not in ("ar", "ngram") and drafter is None:
-        raise ValueError(f"mode {mode!r} needs a drafter")
-    if mode == "domino" and drafter is not None and not drafter.config.has_head:
-        raise ValueError("mode 'domino' needs a Domino drafter (projector_type 'domino'); use 'dflash'")
-
-
-def cache_layout(max_batch_size: int, max_model_len: int, scratch: int, static_shapes: bool) -> tuple[int, int]:
-    """(slots, capacity) of the engine's caches, the one place they are worked out. Capacity: the
-    longest allowed context plus room for `scratch` tokens written behind it (a full block of draft
-    keys, or a verify's drafts) and the anchor. Slots: the batch, or with static shapes the largest
-    batch bucket, since padded batches use rows up to it."""
-    slots = batch_buckets(max_batch_size)[-1] if static_shapes else max_batch_size
-    return slots, max_model_len + scratch + 1
 
 
 class Engine:
@@ -83,8 +55,8 @@ class Engine:
             cfg = replace(cfg, capture_taps=tuple(cfg.capture_taps))
         cfg.check()
         self.config = cfg
-        mode, max_drafts, capture_taps = cfg.mode, cfg.max_drafts, list(cfg.capture_taps or [])
-        _check_drafter(mode, drafter)
+        mode, max_drafts = cfg.mode, cfg.max_drafts
+        check_drafter(mode, drafter)
         self.target = target
         self.mode = mode
         self.drafter = drafter if mode not in ("ar", "ngram") else None
@@ -99,15 +71,19 @@ class Engine:
         self.eos_token_ids = frozenset(int(t) for t in cfg.eos_token_ids)
         self.draft_forwards = 0  # steps that ran the drafter
         self.device = target.device
-        # What one more prefill forward costs, in padded prompt tokens: on a CPU a forward's fixed
-        # cost is ~30 prompt tokens' worth (bench.verify_cost: 51 ms for 1 token, +1.9 ms per
-        # token from 16 on); on a GPU launches dominate, so rows are split only for long padding.
-        self.prefill_split_tokens = (
-            cfg.prefill_split_tokens
-            if cfg.prefill_split_tokens is not None
-            else (512 if self.device.type == "cuda" else 32)
+        dcfg = self.drafter.config if self.drafter is not None else None
+        self.num_drafts = (
+            0 if dcfg is None else dcfg.num_drafts if max_drafts is None else min(max_drafts, dcfg.num_drafts)
         )
-        block = self._attach_drafter(max_drafts, capture_taps)
+        # The networks, their caches and the forwards over them (model/engine/runner.py).
+        self.runner = ModelRunner(
+            target, self.drafter, cfg, self.num_drafts, self.max_drafts_per_step, mode == "domino"
+        )
+        self.cache, self.draft_cache, self.static = self.runner.cache, self.runner.draft_cache, self.runner.static
+        self.prefix_cache, self.drafter_proposer = self.runner.prefix_cache, self.runner.drafter_proposer
+        # Who drafts: the drafter's block (or `proposer` in its place) and the n-gram copies.
+        self.proposer: DraftProposer | None = proposer or self.drafter_proposer
+        self.ngram_proposer = NgramProposer()
         # adaptive: drafts per step from the drafter's confidence and measured step costs
         # (model/engine/policy.py); fixed: every draft up to the first below draft_threshold.
         self.policy = DraftPolicy(
@@ -118,122 +94,21 @@ class Engine:
             ngram_max_drafts=self.ngram_max_drafts,
             prior=prior_curve_for(target.device, target.dtype),
         )
-        self.capture = bool(capture_taps)
-        self.want_features = self.drafter is not None or self.capture
-        self.static_shapes = self.device.type == "cuda" if cfg.static_shapes is None else cfg.static_shapes
-        slots, capacity = cache_layout(
-            cfg.max_batch_size, cfg.max_model_len, max(block, self.max_drafts_per_step), self.static_shapes
-        )
-        self.cache = target.new_cache(slots, capacity)
-        self.draft_cache = (
-            new_context_cache(self.drafter.config, slots, capacity, target.dtype, self.device)
-            if self.drafter is not None
-            else None
-        )
-        # Prompt beginnings seen before (model/kv/prefix_cache.py); not when capturing training
-        # features, which need every prompt position's taps.
-        self.prefix_cache = (
-            PrefixCache(
-                [self.cache] + ([self.draft_cache] if self.draft_cache is not None else []),
-                cfg.prefix_block_size,
-                cfg.prefix_cache_tokens,
-            )
-            if cfg.prefix_cache_tokens > 0 and not self.capture
-            else None
-        )
-        self.prefiller = Prefiller(
-            target,
-            self.cache,
-            self.drafter,
-            self.draft_cache,
-            self.prefix_cache,
-            self.taps,
-            self.want_features,
-            self.capture,
-            self.prefill_split_tokens,
-        )
-        # Who drafts: the drafter's block (or `proposer` in its place) and the n-gram copies.
-        self.drafter_proposer = (
-            DrafterProposer(self.drafter, self.draft_cache, self.num_drafts, self.use_head, self.device)
-            if self.drafter is not None and self.draft_cache is not None
-            else None
-        )
-        self.proposer: DraftProposer | None = proposer or self.drafter_proposer
-        self.ngram_proposer = NgramProposer()
-        self.static: StaticSteps | None = None
-        if self.static_shapes:
-            self.static = self._build_static_steps(cfg.cuda_graphs)
-            if self.drafter_proposer is not None:
-                self.drafter_proposer.static = self.static
         self.rows: list[Row] = []  # row i lives in cache slot i
         self.scheduler = Scheduler(cfg.max_batch_size)
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
 
-    @torch.inference_mode()
-    def _build_static_steps(self, cuda_graphs: bool) -> StaticSteps:
-        """Verify per (batch, T) bucket and the greedy proposal per batch bucket, built (and on CUDA
-        captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
-        steps = StaticSteps(
-            self._static_verify,
-            self.drafter_proposer.static_block if self.drafter_proposer is not None else None,
-            self.max_batch_size,
-            verify_widths(self.max_drafts_per_step),
-            self.device,
-            cuda_graphs,
-        )
-        steps.warm_up()
-        return steps
-
-    def _static_verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True, taps=self.taps)
-        return (out.logits,) if out.features is None else (out.logits, out.features)
-
-    def _attach_drafter(self, max_drafts: int | None, capture_taps: list[int] | None) -> int:
-        """Tap the target for the drafter (or for captured training features); the block size."""
-        # Taps and the head switch are this engine's own: the target and the drafter may be
-        # shared with other engines (benchmarks build one per mode over the same objects).
-        self.use_head = self.mode == "domino"
-        if self.drafter is None:
-            # Training data generation records the target's features without a drafter.
-            self.taps = list(capture_taps or [])
-            self.target.add_taps(self.taps)
-            self.num_drafts = 0
-            return 1
-        cfg = self.drafter.config
-        self.taps = list(cfg.target_layer_ids)
-        self.target.add_taps(self.taps)
-        self.drafter.bind_target(self.target.embed_tokens.weight, self.target.lm_head.weight)
-        self.num_drafts = cfg.num_drafts if max_drafts is None else min(max_drafts, cfg.num_drafts)
-        return cfg.block_size
-
     # -- public API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.target.vocab_size})")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
-                f"exceeds the maximum context length of {self.max_model_len} tokens"
-            )
+        check_prompt(prompt_ids, params, self.target.vocab_size, self.max_model_len)
         seed = (
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        row = Row(
-            request_id=request_id,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            generator=seed_generator(seed),
-            stop_ids=frozenset(stop_ids),
-        )
+        row = Row(request_id, list(prompt_ids), params, seed_generator(seed), frozenset(stop_ids))
         row.processor = new_row_processor(params, row.prompt_ids, row.stop_ids, self.target.vocab_size, self.device)
         if self.ngram:
             row.ngram = NgramIndex(self.ngram_max_n, self.ngram_min_n)
@@ -317,12 +192,10 @@ class Engine:
             except Exception:  # noqa: BLE001 - retry row by row; caches only advance on success
                 for row, state in zip(self.rows, states):
                     row.generator.bit_generator.state = state  # the retry draws the same random numbers
-                failed = []
                 for i in range(len(self.rows)):
                     try:
                         outputs.extend(self._decode(i, i + 1, finalize=False))
                     except Exception as exc:  # noqa: BLE001
-                        failed.append(i)
                         outputs.append(self._error_output(self.rows[i], exc))
                 finished = {o.request_id for o in outputs if o.finished}
                 self._remove_rows([i for i, r in enumerate(self.rows) if r.request_id in finished])
@@ -345,9 +218,7 @@ class Engine:
         for i in sorted(set(indices), reverse=True):
             last = len(self.rows) - 1
             if i != last:
-                self.cache.move_row(last, i)
-                if self.draft_cache is not None:
-                    self.draft_cache.move_row(last, i)
+                self.runner.move_row(last, i)
                 self.rows[i] = self.rows[last]
             self.rows.pop()
 
@@ -357,7 +228,7 @@ class Engine:
         self.policy.on_admit()
         t0 = time.perf_counter()
         lo = len(self.rows)
-        result = self.prefiller.run(new, lo)
+        result = self.runner.prefiller.run(new, lo)
         self.rows.extend(result.rows)
         outputs, done = [], []
         for i, row in enumerate(result.rows):
@@ -398,28 +269,12 @@ class Engine:
     def _begin_step(self, lo: int, hi: int) -> DecodeStep:
         """The policy's plan for rows lo..hi-1 and the step's random draws."""
         rows = self.rows[lo:hi]
-        greedy_rows = [row.params.greedy for row in rows]
         # A seeded request must choose the same alone or in a batch: never pause drafting under it,
         # and always draft (and draw uniforms for) the full block.
-        plan = self.policy.plan(greedy_rows, any(row.params.seed is not None and not row.params.greedy for row in rows))
+        seeded = any(row.params.seed is not None and not row.params.greedy for row in rows)
+        plan = self.policy.plan([row.params.greedy for row in rows], seeded)
         ngram_width = self.ngram_max_drafts if self.ngram and not plan.probe else 0
-        draws = DrawLayout(max(plan.drafter_slots, ngram_width))
-        uniforms = draw_uniforms(rows, draws.per_row, self.device)
-        return DecodeStep(
-            lo=lo,
-            hi=hi,
-            rows=rows,
-            anchors=torch.tensor([row.anchor for row in rows], dtype=torch.long, device=self.device),
-            sampling=SamplingBatch.of_params(
-                [row.params for row in rows], draws.draft_slots(uniforms, plan.drafter_slots), self.device
-            ),
-            uniforms=uniforms,
-            draws=draws,
-            plan=plan,
-            ngram_width=ngram_width,
-            greedy_rows=greedy_rows,
-            budgets=[max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows],
-        )
+        return DecodeStep.begin(lo, hi, rows, plan, ngram_width, self.device)
 
     def _propose(self, step: DecodeStep) -> None:
         """Each row's n-gram copy, and the drafter's block for the rows the policy lets it draft."""
@@ -452,57 +307,26 @@ class Engine:
         r, k = step.drafts.tokens.shape
         tokens = torch.cat([step.anchors[:, None], step.drafts.tokens], dim=1)
         t = time.perf_counter()
-        out = self._target_verify(step.lo, tokens)
+        out = self.runner.verify(step.lo, tokens)
         if out.logits.is_cuda:
             torch.cuda.synchronize()  # time the work, not the launch
         self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t)
         return out
-
-    def _target_verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
-        """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
-        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path."""
-        if self.static is not None and lo == 0:
-            out = self.static.run_verify(tokens)
-            if out is not None:
-                return TargetOutput(out[0], out[1] if len(out) > 1 else None)
-        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
 
     def _accept(self, step: DecodeStep, out: TargetOutput) -> None:
         """The rejection sampler over the rows' processed scores; its results on the host (one
         device->host copy) and the caches advanced by them."""
         assert step.drafts is not None
         scores = process_logits([row.processor for row in step.rows], out.logits, step.drafts.tokens)
-        draft_vocab = (
-            self.drafter.draft_vocab_ids if self.drafter is not None and self.drafter.config.draft_vocab_size else None
-        )
-        step.accepted, step.bonus = accepted, bonus = accept(scores, step, draft_vocab)
-        host = torch.cat([accepted[:, None], bonus[:, None], step.drafts.tokens], dim=1).tolist()
-        results = StepResults(accepted=[h[0] for h in host], bonus=[h[1] for h in host])
-        results.new_tokens = [h[2 : 2 + h[0]] + [h[1]] for h in host]
+        step.accepted, step.bonus = accepted, bonus = accept(scores, step, self.runner.draft_vocab_ids)
+        step.results = results = StepResults.read(accepted, bonus, step.drafts.tokens)
         results.logprobs = [
             token_logprobs(out.logits[i], results.new_tokens[i], row.params.logprobs)
             if row.params.logprobs is not None
             else None
             for i, row in enumerate(step.rows)
         ]
-        step.results = results
-        self._advance(step.lo, step.hi, out, accepted, results.accepted)
-
-    def _advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor, host_accepted: list[int]) -> None:
-        """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply
-        not counted; the host lengths from `host_accepted`, already read with the step's results).
-        The drafter's context first, rolled back if it fails: the target cache then moves only once
-        nothing can fail, so a retry of this step (step() retries row by row) starts where it did."""
-        counts = [a + 1 for a in host_accepted]
-        if self.drafter is not None:
-            assert self.draft_cache is not None and out.features is not None
-            draft_lengths = self.draft_cache.host_lengths[lo:hi]
-            try:
-                self.drafter.append_context(self.draft_cache, lo, out.features, accepted + 1, counts)
-            except BaseException:
-                self.draft_cache.set_lengths(lo, draft_lengths)
-                raise
-        self.cache.advance(lo, accepted + 1, counts)
+        self.runner.advance(step.lo, step.hi, out, accepted, results.accepted)
 
     def _emit(self, step: DecodeStep, out: TargetOutput) -> tuple[list[RequestOutput], list[int]]:
         """Commit each row's tokens and record the step in its statistics; (outputs, slots of finished rows)."""
@@ -518,7 +342,7 @@ class Engine:
             output.step_draft_tokens, output.step_accepted = drafted, list(range(accepted))
             output.is_verify_step, output.step_proposer = True, proposer
             outputs.append(output)
-            if self.capture:
+            if self.runner.capture:
                 assert out.features is not None
                 output.features = out.features[i, : accepted + 1].to(torch.float16).cpu()
             if output.finished:

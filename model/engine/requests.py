@@ -64,6 +64,22 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
 
+def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """ValueError (ContextLengthError where it is the length) for a request no engine row can run."""
+    params.validate()
+    if not prompt_ids:
+        raise ValueError("prompt must contain at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+    total = len(prompt_ids) + params.max_new_tokens
+    if total > max_model_len:
+        raise ContextLengthError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} "
+            f"exceeds the maximum context length of {max_model_len} tokens"
+        )
+
+
 @dataclass
 class RequestStats:
     verify_steps: int = 0

@@ -13,7 +13,7 @@ import torch
 
 from model.engine.proposers import Proposal
 from model.engine.requests import TokenLogprob
-from model.engine.row import Row
+from model.engine.row import Row, draw_uniforms
 from model.engine.sampling import SamplingBatch
 
 
@@ -83,6 +83,13 @@ class StepResults:
     new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
+    @classmethod
+    def read(cls, accepted: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor) -> StepResults:
+        """The results on the host, in one device->host copy: accepted [R], bonus [R], drafts [R, k]."""
+        host = torch.cat([accepted[:, None], bonus[:, None], drafts], dim=1).tolist()
+        new_tokens = [h[2 : 2 + h[0]] + [h[1]] for h in host]
+        return cls(accepted=[h[0] for h in host], bonus=[h[1] for h in host], new_tokens=new_tokens)
+
 
 @dataclass
 class DecodeStep:
@@ -111,6 +118,28 @@ class DecodeStep:
     accepted: torch.Tensor | None = None  # [R] accepted drafts
     bonus: torch.Tensor | None = None  # [R] the token after them
     results: StepResults | None = None
+
+    @classmethod
+    def begin(
+        cls, lo: int, hi: int, rows: list[Row], plan: StepPlan, ngram_width: int, device: torch.device
+    ) -> DecodeStep:
+        """Rows lo..hi-1 under `plan`, with their random draws for the step (`DrawLayout`)."""
+        draws = DrawLayout(max(plan.drafter_slots, ngram_width))
+        uniforms = draw_uniforms(rows, draws.per_row, device)
+        params = [row.params for row in rows]
+        return cls(
+            lo=lo,
+            hi=hi,
+            rows=rows,
+            anchors=torch.tensor([row.anchor for row in rows], dtype=torch.long, device=device),
+            sampling=SamplingBatch.of_params(params, draws.draft_slots(uniforms, plan.drafter_slots), device),
+            uniforms=uniforms,
+            draws=draws,
+            plan=plan,
+            ngram_width=ngram_width,
+            greedy_rows=[p.greedy for p in params],
+            budgets=[max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows],
+        )
 
     @property
     def drafter_slots(self) -> int:

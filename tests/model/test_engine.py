@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from model.engine.engine import ContextLengthError, Engine, SamplingParams
+from model.engine.engine import Engine, SamplingParams
 from model.engine.proposers import Proposal
+from model.engine.requests import ContextLengthError
 from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
 from model.kv.prefix_cache import CachedBlock

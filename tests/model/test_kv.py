@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from model.engine.engine import Engine, SamplingParams, cache_layout
+from model.engine.engine import Engine, SamplingParams
+from model.engine.runner import cache_layout
 from model.engine.static import batch_buckets
 from model.kv.draft_cache import DraftContextCache
 from model.kv.target_cache import RaggedKVCache

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from model.engine.costs import AcceptanceCalibration, StepCosts
@@ -171,3 +173,60 @@ def test_adaptive_policy_measures_a_plain_step_at_each_batch_size() -> None:
     sampling = _engine(model, "domino", 1, draft_policy="adaptive")
     sampling.generate([prompts[0]], SamplingParams(max_new_tokens=12, temperature=0.8, seed=3))
     assert sampling.policy.plain_probes == {}
+
+
+def _policy_state(engine: Any) -> list[Any]:
+    """Everything the policy (and the rows' own copy records) could learn, as plain values."""
+    p = engine.policy
+    rows = [r for r in engine.rows if r.ngram_acceptance is not None]
+    return [
+        p.skip_steps, p.no_gain_streak, p.pause_len, p.draft_width, dict(p.plain_probes), p.drafter_gain,
+        p.ngram_acceptance.reached.tolist(), p.ngram_acceptance.accepted.tolist(),
+        p.calibration.reached.tolist(), p.calibration.accepted.tolist(), dict(p.costs.verify_s), dict(p.costs.draft_s),
+        [(r.ngram_acceptance.reached.tolist(), r.ngram_acceptance.accepted.tolist()) for r in rows],
+    ]  # fmt: skip
+
+
+def test_the_policys_queries_change_nothing_and_observe_learns() -> None:
+    """plan, copy_estimates, drafter_rows and choose are queries: asked twice, they answer the same
+    and leave the policy as it was; only observe (and the measured costs) change what it knows. Run
+    over greedy and seeded sampling rows with copies, a random drafter (so the policy narrows and
+    pauses) and plain probes."""
+    model = tiny_target()
+    loop = [5, 9, 14, 3, 77, 21, 8, 40]
+    prompts = [loop * 3, _prompts(2)[1], loop * 2 + [5, 9]]
+    refs = [_hf_greedy(model, p, 40) for p in prompts]
+    engine = _engine(model, "domino", 3, draft_policy="adaptive", ngram=True)
+    policy = engine.policy
+    calls: dict[str, int] = {}
+    learned = 0
+
+    def query(name: str) -> None:
+        real = getattr(policy, name)
+
+        def asked_twice(*args: Any) -> Any:
+            before = _policy_state(engine)
+            first, second = real(*args), real(*args)
+            assert _policy_state(engine) == before, name
+            assert repr(first) == repr(second), name
+            calls[name] = calls.get(name, 0) + 1
+            return first
+
+        setattr(policy, name, asked_twice)
+
+    for name in ("plan", "copy_estimates", "drafter_rows", "choose"):
+        query(name)
+    real_observe = policy.observe
+
+    def observe(step: Any) -> None:
+        nonlocal learned
+        before = _policy_state(engine)
+        real_observe(step)
+        learned += _policy_state(engine) != before
+
+    policy.observe = observe
+    params = [SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=0.9, seed=4)]
+    results = engine.generate(prompts, [params[0], params[1], params[0]])
+    assert results[0][0] == refs[0] and results[2][0] == refs[2]  # greedy rows stay exact
+    assert calls["plan"] == calls["copy_estimates"] >= 30 and calls["choose"] == calls["plan"]
+    assert learned >= calls["plan"] // 2

@@ -163,7 +163,7 @@ def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str) -> None:
     block = torch.zeros(2, engine.drafter.config.block_size, dtype=torch.long)
     with torch.inference_mode():
         with HostReads() as static_reads:
-            engine._static_verify(tokens)
+            engine.runner.static_verify(tokens)
             engine.drafter_proposer.static_block(torch.zeros(2, dtype=torch.long))
         with HostReads() as dynamic_reads:
             engine.target.forward(engine.cache, 0, tokens)

@@ -1,0 +1,159 @@
+"""The model side of one engine: the target and the drafter, their per-row caches, the prefix cache
+and the static-shape (CUDA-graph) buckets, and the forwards that read and advance them. The engine
+(model/engine/engine.py) decides what runs; this runs it (vLLM's split of scheduler and runner)."""
+
+from __future__ import annotations
+
+import torch
+
+from model.engine.config import EngineConfig
+from model.engine.prefill import Prefiller
+from model.engine.proposers import DrafterProposer
+from model.engine.static import StaticSteps, batch_buckets, verify_widths
+from model.kv.prefix_cache import PrefixCache
+from model.nn.drafter import Drafter, new_context_cache
+from model.nn.target import TargetModel, TargetOutput
+
+
+def check_drafter(mode: str, drafter: Drafter | None) -> None:
+    """ValueError unless the drafter can run in `mode`."""
+    if mode not in ("ar", "ngram") and drafter is None:
+        raise ValueError(f"mode {mode!r} needs a drafter")
+    if mode == "domino" and drafter is not None and not drafter.config.has_head:
+        raise ValueError("mode 'domino' needs a Domino drafter (projector_type 'domino'); use 'dflash'")
+
+
+def cache_layout(max_batch_size: int, max_model_len: int, scratch: int, static_shapes: bool) -> tuple[int, int]:
+    """(slots, capacity) of the engine's caches, the one place they are worked out. Capacity: the
+    longest allowed context plus room for `scratch` tokens written behind it (a full block of draft
+    keys, or a verify's drafts) and the anchor. Slots: the batch, or with static shapes the largest
+    batch bucket, since padded batches use rows up to it."""
+    slots = batch_buckets(max_batch_size)[-1] if static_shapes else max_batch_size
+    return slots, max_model_len + scratch + 1
+
+
+class ModelRunner:
+    """Row i of the engine's batch lives in cache slot i of both caches."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter | None,
+        cfg: EngineConfig,
+        num_drafts: int,
+        max_drafts_per_step: int,
+        use_head: bool,
+    ) -> None:
+        """`num_drafts`: the drafter's slots per block; `max_drafts_per_step`: the most drafts a row
+        verifies in a step, from either proposer (the verify widths and the caches' scratch room)."""
+        self.target, self.drafter, self.device = target, drafter, target.device
+        capture_taps = list(cfg.capture_taps or [])
+        self.capture = bool(capture_taps)
+        # Taps are this engine's own: the target and the drafter may be shared with other engines
+        # (benchmarks build one per mode over the same objects). Training data generation records
+        # the target's features without a drafter.
+        self.taps = list(drafter.config.target_layer_ids) if drafter is not None else capture_taps
+        target.add_taps(self.taps)
+        if drafter is not None:
+            drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
+        self.want_features = drafter is not None or self.capture
+        static_shapes = self.device.type == "cuda" if cfg.static_shapes is None else cfg.static_shapes
+        block = drafter.config.block_size if drafter is not None else 1
+        slots, capacity = cache_layout(
+            cfg.max_batch_size, cfg.max_model_len, max(block, max_drafts_per_step), static_shapes
+        )
+        self.cache = target.new_cache(slots, capacity)
+        self.draft_cache = (
+            new_context_cache(drafter.config, slots, capacity, target.dtype, self.device)
+            if drafter is not None
+            else None
+        )
+        # Prompt beginnings seen before (model/kv/prefix_cache.py); not when capturing training
+        # features, which need every prompt position's taps.
+        self.prefix_cache = (
+            PrefixCache(
+                [self.cache] + ([self.draft_cache] if self.draft_cache is not None else []),
+                cfg.prefix_block_size,
+                cfg.prefix_cache_tokens,
+            )
+            if cfg.prefix_cache_tokens > 0 and not self.capture
+            else None
+        )
+        # What one more prefill forward costs, in padded prompt tokens: on a CPU a forward's fixed
+        # cost is ~30 prompt tokens' worth (bench.verify_cost: 51 ms for 1 token, +1.9 ms per
+        # token from 16 on); on a GPU launches dominate, so rows are split only for long padding.
+        split_tokens = cfg.prefill_split_tokens
+        if split_tokens is None:
+            split_tokens = 512 if self.device.type == "cuda" else 32
+        self.prefiller = Prefiller(
+            target, self.cache, drafter, self.draft_cache, self.prefix_cache, self.taps, self.want_features,
+            self.capture, split_tokens,
+        )  # fmt: skip
+        self.drafter_proposer = (
+            DrafterProposer(drafter, self.draft_cache, num_drafts, use_head, self.device)
+            if drafter is not None and self.draft_cache is not None
+            else None
+        )
+        self.static: StaticSteps | None = None
+        if static_shapes:
+            self.static = self._build_static_steps(cfg.max_batch_size, max_drafts_per_step, cfg.cuda_graphs)
+            if self.drafter_proposer is not None:
+                self.drafter_proposer.static = self.static
+
+    @torch.inference_mode()
+    def _build_static_steps(self, max_batch_size: int, max_drafts: int, cuda_graphs: bool) -> StaticSteps:
+        """Verify per (batch, T) bucket and the greedy proposal per batch bucket, built (and on CUDA
+        captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
+        steps = StaticSteps(
+            self.static_verify,
+            self.drafter_proposer.static_block if self.drafter_proposer is not None else None,
+            max_batch_size,
+            verify_widths(max_drafts),
+            self.device,
+            cuda_graphs,
+        )
+        steps.warm_up()
+        return steps
+
+    def static_verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The body of a static verify bucket: slots 0..R-1, fixed shapes, nothing read back."""
+        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True, taps=self.taps)
+        return (out.logits,) if out.features is None else (out.logits, out.features)
+
+    @property
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        """The drafter's vocabulary in the target's ids, when it drafts over a restricted one."""
+        if self.drafter is None or not self.drafter.config.draft_vocab_size:
+            return None
+        return self.drafter.draft_vocab_ids
+
+    def verify(self, lo: int, tokens: torch.Tensor) -> TargetOutput:
+        """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
+        (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path."""
+        if self.static is not None and lo == 0:
+            out = self.static.run_verify(tokens)
+            if out is not None:
+                return TargetOutput(out[0], out[1] if len(out) > 1 else None)
+        return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
+
+    def advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor, host_accepted: list[int]) -> None:
+        """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply
+        not counted; the host lengths from `host_accepted`, already read with the step's results).
+        The drafter's context first, rolled back if it fails: the target cache then moves only once
+        nothing can fail, so a retry of this step (step() retries row by row) starts where it did."""
+        counts = [a + 1 for a in host_accepted]
+        if self.drafter is not None:
+            assert self.draft_cache is not None and out.features is not None
+            draft_lengths = self.draft_cache.host_lengths[lo:hi]
+            try:
+                self.drafter.append_context(self.draft_cache, lo, out.features, accepted + 1, counts)
+            except BaseException:
+                self.draft_cache.set_lengths(lo, draft_lengths)
+                raise
+        self.cache.advance(lo, accepted + 1, counts)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row `src` now lives in slot `dst` (one row copy per cache)."""
+        self.cache.move_row(src, dst)
+        if self.draft_cache is not None:
+            self.draft_cache.move_row(src, dst)
