@@ -214,3 +214,15 @@ def test_tracked_tree_stays_under_its_limit() -> None:
         f"tracked files hold {total / 2**20:.2f} MiB, over {TRACKED_TREE_LIMIT / 2**20:.0f} MiB; largest: "
         + ", ".join(f"{p.relative_to(REPO_ROOT)} ({sizes[p] / 2**20:.2f} MiB)" for p in largest)
     )
+
+
+def test_a_checkout_finds_its_shipped_drafters() -> None:
+    """From a checkout (`make serve`), the default target's drafters are the checkout's `drafters/`:
+    without them the server falls back to plain decoding with only a warning."""
+    from model.load.loading import DEFAULT_DFLASH_DRAFTER_DIR, DEFAULT_DRAFTER_DIR, default_drafter_path
+
+    repo = Path(__file__).resolve().parent.parent
+    assert DEFAULT_DRAFTER_DIR == repo / "drafters" / "smollm2-135m-domino"
+    assert DEFAULT_DFLASH_DRAFTER_DIR == repo / "drafters" / "smollm2-135m-dflash"
+    assert default_drafter_path("domino") == DEFAULT_DRAFTER_DIR
+    assert default_drafter_path("dflash") == DEFAULT_DFLASH_DRAFTER_DIR

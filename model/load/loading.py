@@ -21,7 +21,7 @@ from model.nn.target import TargetModel
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "default"
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # model/load/loading.py -> the checkout
 
 
 def shipped_drafter_dir(name: str) -> Path:
