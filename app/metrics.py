@@ -30,6 +30,13 @@ class Metrics:
         self.waiting = Gauge(
             "domino_num_requests_waiting", "Requests admitted but not yet running.", name, registry=r
         ).labels(model_name)
+        # KV memory by blocks (DOMINO_KV_CACHE_MEMORY): what Grafana users look for as vLLM's
+        # kv_cache_usage_perc (a fraction, despite the name).
+        blocks = Gauge("domino_kv_cache_blocks", "KV cache blocks by state (used, free).", [*name, "state"], registry=r)
+        self.kv_blocks_used, self.kv_blocks_free = blocks.labels(model_name, "used"), blocks.labels(model_name, "free")
+        self.kv_usage = Gauge(
+            "domino_kv_cache_usage_perc", "Fraction of the KV cache blocks in use (0-1).", name, registry=r
+        ).labels(model_name)
 
     def _counter(self, metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         return Counter(metric, doc, ["model_name", *extra], registry=self.registry)

@@ -27,6 +27,7 @@ from app.service import Service
 from app.serving import Serving
 from app.settings import Settings
 from model.engine.config import EngineConfig
+from model.kv.sizes import parse_memory
 
 if TYPE_CHECKING:
     from model.engine.engine import Engine
@@ -47,6 +48,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         cuda_graphs=settings.cuda_graphs,
         prefix_cache_tokens=settings.prefix_cache_tokens,
         prefix_block_size=settings.prefix_block_size,
+        kv_cache_memory=parse_memory(settings.kv_cache_memory) if settings.kv_cache_memory is not None else None,
+        kv_block_size=settings.kv_block_size,
     )
 
 
@@ -84,6 +87,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         engine.max_batch_size,
         engine.max_model_len,
     )
+    log.info("%s", engine.runner.kv_summary())
     return engine, tokenizer
 
 

@@ -7,8 +7,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from model.kv.sizes import parse_memory
 
 Mode = Literal["domino", "dflash", "ngram", "ar"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -23,14 +25,32 @@ class Settings(BaseSettings):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_names(cls, data: Any) -> Any:
-        # DOMINO_BLOCK_SIZE was max_drafts' name: deployments that set it keep their cap.
-        old = os.environ.get("DOMINO_BLOCK_SIZE")
-        if isinstance(data, dict) and old is not None and data.get("max_drafts") is None:
-            if os.environ.get("DOMINO_MAX_DRAFTS") is None:
-                log.warning("DOMINO_BLOCK_SIZE is deprecated: set DOMINO_MAX_DRAFTS (the same cap)")
-                data = {**data, "max_drafts": old}
+    def _retired_names(cls, data: Any) -> Any:
+        # "Block size" means the KV cache's block now (DOMINO_KV_BLOCK_SIZE); the drafts cap that
+        # was once DOMINO_BLOCK_SIZE is DOMINO_MAX_DRAFTS.
+        if os.environ.get("DOMINO_BLOCK_SIZE") is not None:
+            raise ValueError(
+                "DOMINO_BLOCK_SIZE was retired: set DOMINO_MAX_DRAFTS to cap the drafts verified per step "
+                "(DOMINO_KV_BLOCK_SIZE is the KV cache's block size, in tokens)"
+            )
         return data
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _kv_cache_memory(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_memory(value)
+            except ValueError as exc:
+                raise ValueError(f"DOMINO_KV_CACHE_MEMORY: {exc}") from None
+        return value
+
+    @field_validator("kv_block_size")
+    @classmethod
+    def _kv_block_size(cls, value: int) -> int:
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"DOMINO_KV_BLOCK_SIZE must be a power of two, got {value}")
+        return value
 
     # -- model ------------------------------------------------------------------------------------
     target: str = Field("default", description="HF directory of the target, or 'default' (embedded SmolLM2-135M)")
@@ -47,8 +67,7 @@ class Settings(BaseSettings):
     max_drafts: int | None = Field(
         None,
         ge=1,
-        description="at most this many draft tokens verified per step (default: all the drafter proposes); "
-        "DOMINO_BLOCK_SIZE, its old name, is still read",
+        description="at most this many draft tokens verified per step (default: all the drafter proposes)",
     )
     draft_policy: Literal["adaptive", "fixed"] = Field(
         "adaptive",
@@ -84,6 +103,13 @@ class Settings(BaseSettings):
         64, ge=0, description="sequences admitted beyond the running rows; more are refused with 429"
     )
     max_model_len: int = Field(2048, ge=2, description="prompt + generated tokens per sequence")
+    kv_cache_memory: str | None = Field(
+        None,
+        description="memory for keys and values: a size with a unit (512MiB, 4GiB), or a fraction of the memory "
+        "left after the weights (0.9); requests are admitted while their blocks fit. Default: 2GiB on a CPU, "
+        "0.9 on a GPU",
+    )
+    kv_block_size: int = Field(16, description="tokens per KV cache block, a power of two")
     prefix_cache_tokens: int = Field(
         4096,
         ge=0,

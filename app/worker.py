@@ -221,6 +221,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         failures = 0
+        self._update_gauges()  # the KV blocks are all free before the first request
         try:
             while True:
                 if not self._drain_inbox(block=not self.engine.has_unfinished()):
@@ -412,6 +413,10 @@ class EngineWorker:
     def _update_gauges(self) -> None:
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(self.engine.num_waiting)
+        blocks = self.engine.kv_blocks
+        self.metrics.kv_blocks_used.set(blocks.num_used)
+        self.metrics.kv_blocks_free.set(blocks.num_free)
+        self.metrics.kv_usage.set(blocks.usage)
 
 
 def _stats(out: RequestOutput) -> RequestStats:

@@ -30,6 +30,10 @@ class EngineConfig:
     prefix_cache_tokens: int = 0  # 0: no prefix cache
     prefix_block_size: int = 16  # the prefix cache's granularity, in tokens
     capture_taps: tuple[int, ...] | None = None  # record these target layers' features (training data)
+    # KV memory (model/kv/blocks.py): bytes, or a fraction of the memory left after the weights;
+    # None: 2 GiB on a CPU, 0.9 on a GPU. Rows are admitted while their blocks fit.
+    kv_cache_memory: int | float | None = None
+    kv_block_size: int = 16  # tokens per KV block, a power of two
 
     def check(self) -> None:
         """ValueError naming the field, for values no engine can run with."""
@@ -42,5 +46,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_drafts is not None and self.max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}")
+        if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if isinstance(self.kv_cache_memory, float) and self.kv_cache_memory > 1:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")

@@ -33,6 +33,7 @@ from model.engine.row import Row, commit, seed_generator
 from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
 from model.engine.step import DecodeStep, StepResults
+from model.kv.blocks import BlockPool
 from model.nn.drafter import Drafter
 from model.nn.target import TargetModel, TargetOutput
 
@@ -102,6 +103,8 @@ class Engine:
     # -- public API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         check_prompt(prompt_ids, params, self.target.vocab_size, self.max_model_len)
+        if any(row.request_id == request_id for row in [*self.scheduler, *self.rows]):
+            raise ValueError(f"request id {request_id!r} is already running or waiting")
         seed = (
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         )
@@ -138,6 +141,11 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler)
 
+    @property
+    def kv_blocks(self) -> BlockPool:
+        """KV blocks in use and free (model/kv/blocks.py)."""
+        return self.runner.blocks.pool
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -168,7 +176,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_aborted(outputs)
-        new = self.scheduler.admit(len(self.rows))
+        new = self.scheduler.admit(len(self.rows), self.runner.reserve)
         if new:
             states = [row.generator.bit_generator.state for row in new]
             running = len(self.rows)
@@ -184,6 +192,7 @@ class Engine:
                         outputs.extend(self._prefill([row]))
                     except Exception as exc:  # noqa: BLE001
                         del self.rows[running:]
+                        self.runner.blocks.free(row.request_id)
                         outputs.append(self._error_output(row, exc))
         elif self.rows:
             states = [row.generator.bit_generator.state for row in self.rows]
@@ -216,6 +225,7 @@ class Engine:
     def _remove_rows(self, indices: list[int]) -> None:
         """Free slots by moving the last row into each hole (one row copy per departure)."""
         for i in sorted(set(indices), reverse=True):
+            self.runner.blocks.free(self.rows[i].request_id)
             last = len(self.rows) - 1
             if i != last:
                 self.runner.move_row(last, i)

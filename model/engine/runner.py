@@ -4,13 +4,18 @@ and the static-shape (CUDA-graph) buckets, and the forwards that read and advanc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from model.engine.config import EngineConfig
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer
+from model.engine.row import Row
 from model.engine.static import StaticSteps, batch_buckets, verify_widths
+from model.kv.blocks import BlockPool, BlockTables, kv_budget
 from model.kv.prefix_cache import PrefixCache
+from model.kv.sizes import format_bytes
 from model.nn.drafter import Drafter, new_context_cache
 from model.nn.target import TargetModel, TargetOutput
 
@@ -57,6 +62,7 @@ class ModelRunner:
         if drafter is not None:
             drafter.bind_target(target.embed_tokens.weight, target.lm_head.weight)
         self.want_features = drafter is not None or self.capture
+        budget = kv_budget(cfg.kv_cache_memory, self.device)  # before the caches: what the weights left
         static_shapes = self.device.type == "cuda" if cfg.static_shapes is None else cfg.static_shapes
         block = drafter.config.block_size if drafter is not None else 1
         slots, capacity = cache_layout(
@@ -68,6 +74,23 @@ class ModelRunner:
             if drafter is not None
             else None
         )
+        # KV memory by blocks (model/kv/blocks.py): admission reserves a row's blocks up front. The
+        # storage is still a slot per row, so never more blocks than the slots could use.
+        self.lookahead = capacity - cfg.max_model_len  # positions a step may write past a row's tokens
+        self.bytes_per_token = self.cache.bytes_per_token
+        if self.draft_cache is not None:
+            self.bytes_per_token += self.draft_cache.bytes_per_token
+        block_bytes = cfg.kv_block_size * self.bytes_per_token
+        per_row = math.ceil(capacity / cfg.kv_block_size)
+        num_blocks = min(budget // block_bytes, slots * per_row)
+        if num_blocks < per_row:
+            raise ValueError(
+                f"kv_cache_memory (DOMINO_KV_CACHE_MEMORY) of {format_bytes(budget)} holds {num_blocks} blocks of "
+                f"{cfg.kv_block_size} tokens; one row at max_model_len {cfg.max_model_len} needs {per_row} "
+                f"({format_bytes(per_row * block_bytes)})"
+            )
+        self.blocks = BlockTables(BlockPool(num_blocks, cfg.kv_block_size))
+        self.rows_at_max_len = num_blocks // per_row
         # Prompt beginnings seen before (model/kv/prefix_cache.py); not when capturing training
         # features, which need every prompt position's taps.
         self.prefix_cache = (
@@ -151,6 +174,22 @@ class ModelRunner:
                 self.draft_cache.set_lengths(lo, draft_lengths)
                 raise
         self.cache.advance(lo, accepted + 1, counts)
+
+    def reserve(self, row: Row) -> bool:
+        """Admission by free KV blocks: the row's prompt, every token it may generate and a step's
+        lookahead, reserved up front (so an admitted row never runs out); False when they do not fit."""
+        tokens = len(row.prompt_ids) + row.params.max_new_tokens + self.lookahead
+        return self.blocks.reserve(row.request_id, tokens)
+
+    def kv_summary(self) -> str:
+        """The start-up line's account of KV memory."""
+        pool = self.blocks.pool
+        tokens = pool.num_blocks * pool.block_size
+        return (
+            f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = {tokens} tokens "
+            f"({format_bytes(tokens * self.bytes_per_token)}); {self.rows_at_max_len} rows fit at max_model_len "
+            f"(admission by blocks; storage still one slot of max_model_len per row)"
+        )
 
     def move_row(self, src: int, dst: int) -> None:
         """Row `src` now lives in slot `dst` (one row copy per cache)."""

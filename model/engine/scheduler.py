@@ -1,11 +1,11 @@
 """Which requests run: the waiting queue and admission (first come, first served, as many as there
-are free rows). The room where block allocation, preemption and prefill chunks go as the engine
+are free rows and KV blocks for). The room where block allocation, preemption and prefill chunks go as the engine
 grows them (issue 37); the engine asks it each step and runs what it admits."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from model.engine.row import Row
 
@@ -31,7 +31,11 @@ class Scheduler:
             self.waiting.remove(row)
         return gone
 
-    def admit(self, num_running: int) -> list[Row]:
-        """The requests to start this step, oldest first, filling the free rows."""
-        free = max(0, self.max_running - num_running)
-        return [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+    def admit(self, num_running: int, reserve: Callable[[Row], bool]) -> list[Row]:
+        """The requests to start this step, oldest first, filling the free rows while `reserve` finds
+        each one its KV blocks. First come, first served: a request that does not fit waits at the
+        front, and nothing behind it passes it."""
+        admitted: list[Row] = []
+        while self.waiting and num_running + len(admitted) < self.max_running and reserve(self.waiting[0]):
+            admitted.append(self.waiting.popleft())
+        return admitted

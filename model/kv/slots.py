@@ -44,6 +44,11 @@ class SlotKV:
         """Bytes the key and value buffers hold."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take over all layers."""
+        return self.nbytes // (self.num_slots * self.capacity)
+
     # -- lengths ----------------------------------------------------------------------------------
 
     def set_lengths(self, lo: int, lengths: Sequence[int]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import threading
 import time
 from typing import Any
@@ -93,6 +94,10 @@ def test_health_models_and_metrics(client: httpx.Client) -> None:
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     samples = scrape_metrics(str(client.base_url))
     assert ("domino_num_requests_running", frozenset({("model_name", MODEL)})) in samples
+    # KV memory by blocks: all free while nothing runs (the worker sets the gauges before a request).
+    assert metric(samples, "domino_kv_cache_blocks", state="free") > 0
+    assert metric(samples, "domino_kv_cache_blocks", state="used") == 0
+    assert ("domino_kv_cache_usage_perc", frozenset({("model_name", MODEL)})) in samples
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -559,6 +564,9 @@ def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
         ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
+            running = scrape_metrics(server.url)  # a running request holds KV blocks
+            assert metric(running, "domino_kv_cache_blocks", state="used") > 0
+            assert metric(running, "domino_kv_cache_usage_perc") > 0
         # Leaving the block closes the connection mid-stream.
     started = time.monotonic()
     after = wait_idle(server.url)
@@ -578,6 +586,9 @@ def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
     final = wait_idle(server.url)
     assert metric(final, "domino_num_requests_running") == 0
     assert metric(final, "domino_request_success_total", finished_reason="abort") == aborted + 1
+    assert metric(final, "domino_kv_cache_blocks", state="used") == 0  # the aborted rows gave theirs back
+    # The start-up line accounts for the KV memory.
+    assert re.search(r"KV cache: \d+ blocks x 16 tokens = \d+ tokens \(.*\); \d+ rows fit", server.log_path.read_text())
     assert metric(final, "domino_generation_tokens_total") - metric(after, "domino_generation_tokens_total") < 400
     # The server is still fine.
     assert httpx.get(server.url + "/health").status_code == 200

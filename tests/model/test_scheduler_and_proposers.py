@@ -23,12 +23,33 @@ def test_scheduler_admits_oldest_first_into_the_free_rows() -> None:
     rows = [_row(str(i), [i]) for i in range(5)]
     for r in rows:
         s.add(r)
-    assert [r.request_id for r in s.admit(num_running=1)] == ["0", "1"]  # two rows free
-    assert s.admit(num_running=3) == [] and len(s) == 3
+    fits = lambda row: True  # noqa: E731
+    assert [r.request_id for r in s.admit(num_running=1, reserve=fits)] == ["0", "1"]  # two rows free
+    assert s.admit(num_running=3, reserve=fits) == [] and len(s) == 3
     rows[3].aborted = True
     assert s.drop_aborted() == [rows[3]]
     assert [r.request_id for r in s] == ["2", "4"]
-    assert [r.request_id for r in s.admit(num_running=0)] == ["2", "4"] and len(s) == 0
+    assert [r.request_id for r in s.admit(num_running=0, reserve=fits)] == ["2", "4"] and len(s) == 0
+
+
+def test_scheduler_admits_while_kv_blocks_fit_and_nothing_passes_the_oldest() -> None:
+    """Rows free but blocks short: the oldest request waits at the front, and a smaller one behind it
+    does not pass it (first come, first served)."""
+    s = Scheduler(max_running=4)
+    for rid, prompt in (("big0", [1] * 9), ("big1", [1] * 9), ("small", [1])):
+        s.add(_row(rid, prompt))
+    free = [12]  # tokens the KV blocks have room for
+
+    def reserve(row: Row) -> bool:
+        if len(row.prompt_ids) > free[0]:
+            return False
+        free[0] -= len(row.prompt_ids)
+        return True
+
+    assert [r.request_id for r in s.admit(num_running=0, reserve=reserve)] == ["big0"]
+    assert [r.request_id for r in s] == ["big1", "small"] and free == [3]
+    free[0] = 10
+    assert [r.request_id for r in s.admit(num_running=1, reserve=reserve)] == ["big1", "small"]
 
 
 def test_ngram_proposer_copies_what_followed_the_last_match_within_budget() -> None:

@@ -1,0 +1,134 @@
+"""KV memory by blocks: a fixed number of fixed-size blocks shared by every row, reference-counted
+(prefix sharing will hold one block in several rows), and each row's block table on the host.
+
+The budget (`DOMINO_KV_CACHE_MEMORY`) becomes a number of blocks once, at start-up, from the bytes
+one token takes in the target's and the drafter's caches together. Admission reserves a row's
+blocks (model/engine/scheduler.py); a row leaving gives them back. On today's slot storage this is
+the accounting only: the physical caches are still one slot of `max_model_len` per row
+(model/kv/slots.py) until the paged-storage step makes the blocks the storage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+
+import torch
+
+from model.kv.sizes import format_bytes
+
+# The budget when none is set. On a CPU a byte count that does not grow with max_batch_size x
+# max_model_len: 2 GiB holds ~90k tokens of the embedded default in bf16 (23.25 KiB per token,
+# target and drafter) or ~45k in fp32, so its default 8 rows x 2048 tokens fit 2-5 times over, and it
+# is under a tenth of a 24 GiB machine. On a GPU, as vLLM does, most of what the weights left.
+CPU_DEFAULT_KV_MEMORY = 2 * 2**30
+GPU_DEFAULT_KV_FRACTION = 0.9
+
+
+def memory_there_is(device: torch.device) -> int:
+    """What a KV budget may take at most: on CUDA the device's free memory now (after the weights),
+    on a CPU the machine's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_budget(setting: int | float | None, device: torch.device) -> int:
+    """Bytes for KV blocks from `kv_cache_memory`: bytes as they are, a fraction of `memory_there_is`,
+    or the default (None). ValueError, naming the setting, for more than there is."""
+    there_is = memory_there_is(device)
+    if setting is None:
+        setting = GPU_DEFAULT_KV_FRACTION if device.type == "cuda" else CPU_DEFAULT_KV_MEMORY
+    if isinstance(setting, float):
+        return int(setting * there_is)
+    if setting > there_is:
+        raise ValueError(
+            f"kv_cache_memory (DOMINO_KV_CACHE_MEMORY) of {format_bytes(setting)} is more than the "
+            f"{format_bytes(there_is)} there is on {device}"
+        )
+    return setting
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_size` tokens: a free queue and a reference count per block."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the blocks in use (vLLM's kv_cache_usage_perc)."""
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n free blocks, each now referenced once; None (and nothing taken) when fewer are free."""
+        if n > len(self.free):
+            return None
+        blocks = [self.free.popleft() for _ in range(n)]
+        for b in blocks:
+            self.ref_counts[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to blocks already in use (a row sharing another's prefix)."""
+        for b in blocks:
+            if self.ref_counts[b] < 1:
+                raise ValueError(f"block {b} is free: only blocks in use can be shared")
+            self.ref_counts[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block nobody references is free again."""
+        for b in blocks:
+            if self.ref_counts[b] < 1:
+                raise ValueError(f"block {b} is already free")
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free.append(b)
+
+
+class BlockTables:
+    """Each running row's blocks, in position order, by request id: what admission reserved."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.tables: dict[str, list[int]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.tables
+
+    def table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def reserve(self, request_id: str, tokens: int) -> bool:
+        """Grow the row's table to hold positions 0..tokens-1; False, with nothing taken, when the
+        pool cannot."""
+        table = self.tables.get(request_id, [])
+        more = self.pool.blocks_for(tokens) - len(table)
+        if more <= 0:
+            return True
+        blocks = self.pool.allocate(more)
+        if blocks is None:
+            return False
+        self.tables[request_id] = table + blocks
+        return True
+
+    def free(self, request_id: str) -> None:
+        """The row left: its blocks go back to the pool (shared ones once nobody else holds them)."""
+        self.pool.release(self.tables.pop(request_id, []))
