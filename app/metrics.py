@@ -62,6 +62,9 @@ class Metrics:
         generation_tokens = counter("domino_generation_tokens", "Tokens generated (stop tokens included).")
         success = counter("domino_request_success", "Finished requests by finish reason.", ("finished_reason",))
         errors = counter("domino_request_errors", "Requests that failed during generation.")
+        preemptions = counter(
+            "domino_num_preemptions", "Running requests taken out of the batch for want of KV blocks, to be recomputed."
+        )
         self.num_drafts = drafts.labels(m)
         self.num_draft_tokens = {p: draft_tokens.labels(m, p) for p in PROPOSERS}
         self.num_accepted_tokens = {p: accepted.labels(m, p) for p in PROPOSERS}
@@ -71,6 +74,7 @@ class Metrics:
         self.generation_tokens = generation_tokens.labels(m)
         self.request_success = {reason: success.labels(m, reason) for reason in ("stop", "length", "abort")}
         self.request_errors = errors.labels(m)
+        self.preemptions = preemptions.labels(m)
 
     def _add_histograms(self, num_draft_positions: int, max_batch_size: int) -> None:
         histogram, m = self._histogram, self.model_name

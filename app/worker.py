@@ -114,6 +114,7 @@ class EngineWorker:
         except Exception:  # noqa: BLE001 - uncopyable tokenizers are shared
             self.tokenizer = tokenizer
         self.metrics = metrics
+        self._preemptions = 0  # the engine's count already added to the metrics
         self.capacity = engine.max_batch_size + max_waiting
         self.processor_factory = processor_factory
         self.token_texts = TokenTexts(self.tokenizer)
@@ -417,6 +418,9 @@ class EngineWorker:
         self.metrics.kv_blocks_used.set(blocks.num_used)
         self.metrics.kv_blocks_free.set(blocks.num_free)
         self.metrics.kv_usage.set(blocks.usage)
+        if self.engine.num_preemptions > self._preemptions:
+            self.metrics.preemptions.inc(self.engine.num_preemptions - self._preemptions)
+            self._preemptions = self.engine.num_preemptions
 
 
 def _stats(out: RequestOutput) -> RequestStats:

@@ -96,7 +96,8 @@ class Engine:
             prior=prior_curve_for(target.device, target.dtype),
         )
         self.rows: list[Row] = []  # row i lives in cache slot i
-        self.scheduler = Scheduler(cfg.max_batch_size)
+        self.scheduler = Scheduler(cfg.max_batch_size, self.runner.blocks, self.runner.lookahead)
+        self.num_preemptions = 0  # rows taken out of the batch for want of KV blocks, to be recomputed
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
 
@@ -176,7 +177,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_aborted(outputs)
-        new = self.scheduler.admit(len(self.rows), self.runner.reserve)
+        new = self.scheduler.admit(self.rows)
         if new:
             states = [row.generator.bit_generator.state for row in new]
             running = len(self.rows)
@@ -192,9 +193,12 @@ class Engine:
                         outputs.extend(self._prefill([row]))
                     except Exception as exc:  # noqa: BLE001
                         del self.rows[running:]
-                        self.runner.blocks.free(row.request_id)
+                        self.scheduler.release(row)
                         outputs.append(self._error_output(row, exc))
         elif self.rows:
+            preempted = self.scheduler.preempt_for_step(self.rows)  # back in the queue, to be recomputed
+            self._remove_rows([self.rows.index(row) for row in preempted])
+            self.num_preemptions += len(preempted)
             states = [row.generator.bit_generator.state for row in self.rows]
             try:
                 outputs.extend(self._decode())
@@ -225,7 +229,7 @@ class Engine:
     def _remove_rows(self, indices: list[int]) -> None:
         """Free slots by moving the last row into each hole (one row copy per departure)."""
         for i in sorted(set(indices), reverse=True):
-            self.runner.blocks.free(self.rows[i].request_id)
+            self.scheduler.release(self.rows[i])
             last = len(self.rows) - 1
             if i != last:
                 self.runner.move_row(last, i)
@@ -234,7 +238,7 @@ class Engine:
 
     def _prefill(self, new: list[Row]) -> list[RequestOutput]:
         """Admit rows into the slots after the running ones (model/engine/prefill.py) and commit
-        each one's first token."""
+        each new one's first token (a preempted row resumes with the token it had)."""
         self.policy.on_admit()
         t0 = time.perf_counter()
         lo = len(self.rows)
@@ -243,6 +247,8 @@ class Engine:
         outputs, done = [], []
         for i, row in enumerate(result.rows):
             tok = result.first_tokens[i]
+            if tok is None:  # a preempted row, recomputed: it goes on from its anchor
+                continue
             if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
                 output = RequestOutput(row.request_id, [], True, "length", row.stats)
             else:

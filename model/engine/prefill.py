@@ -46,7 +46,7 @@ class PrefillResult:
     """Admitted rows in the order they now occupy cache slots lo.., with what their prefill gave."""
 
     rows: list[Row]
-    first_tokens: list[int]
+    first_tokens: list[int | None]  # None: a preempted row resumed (its anchor is its last output token)
     logprobs: list[list[TokenLogprob] | None]  # of the first token, where asked for
     prompt_logprobs: list[list[TokenLogprob] | None]  # of the prompt, where asked for
     features: list[torch.Tensor | None]  # captured target features [prompt, K*H] (capture only), fp16 on the host
@@ -79,23 +79,28 @@ class Prefiller:
     def run(self, new: list[Row], lo: int) -> PrefillResult:
         """Prefill `new` into slots lo..: rows sorted by length, split where padding would cost more
         than another forward, each after the beginning the prefix cache holds. The caches advance only
-        once every forward succeeded."""
+        once every forward succeeded. A row that was preempted (it has output already) is recomputed:
+        its prompt and output but the last token (its anchor) go back into the caches, and nothing is
+        chosen, drawn, scored or captured for it again."""
         dev = self.device
+        resumed = {id(r) for r in new if r.output_ids}
+        ids = {id(r): r.prompt_ids + r.output_ids[:-1] if id(r) in resumed else r.prompt_ids for r in new}
         # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
         hits = {
-            id(r): self.prefix_cache.lookup(r.prompt_ids)
-            if self.prefix_cache and r.params.prompt_logprobs is None
+            id(r): self.prefix_cache.lookup(ids[id(r)])
+            if self.prefix_cache and (r.params.prompt_logprobs is None or id(r) in resumed)
             else []
             for r in new
         }
         block = self.prefix_cache.block_size if self.prefix_cache else 0
         cached = {id(r): len(hits[id(r)]) * block for r in new}
-        new = sorted(new, key=lambda r: len(r.prompt_ids) - cached[id(r)])
+        new = sorted(new, key=lambda r: len(ids[id(r)]) - cached[id(r)])
         starts = [cached[id(r)] for r in new]
-        lengths = [len(r.prompt_ids) - n for r, n in zip(new, starts)]  # tokens forwarded per row
+        lengths = [len(ids[id(r)]) - n for r, n in zip(new, starts)]  # tokens forwarded per row
         lens = torch.tensor(lengths, device=dev)
         for i, row in enumerate(new):
-            row.stats.cached_prompt_tokens = starts[i]
+            if id(row) not in resumed:
+                row.stats.cached_prompt_tokens = starts[i]
             if self.prefix_cache is not None and starts[i]:
                 self.prefix_cache.load(lo + i, hits[id(row)])
         groups = prefill_groups(lengths, self.split_tokens)
@@ -104,9 +109,9 @@ class Prefiller:
         for a, b in groups:
             tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=dev)
             for i in range(a, b):
-                tokens[i - a, : lengths[i]] = torch.tensor(new[i].prompt_ids[starts[i] :], device=dev)
+                tokens[i - a, : lengths[i]] = torch.tensor(ids[id(new[i])][starts[i] :], device=dev)
             self.cache.set_lengths(lo + a, starts[a:b])
-            scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None]
+            scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None and id(new[i]) not in resumed]
             out = self.target.forward(
                 self.cache,
                 lo + a,
@@ -123,13 +128,18 @@ class Prefiller:
             logits_parts.append(out.logits[:, 0])
             features.append(out.features)
         logits = torch.cat(logits_parts)
-        sampling = SamplingBatch.of_params([r.params for r in new], draw_uniforms(new, 1, dev), dev)
-        scores = process_logits([r.processor for r in new], logits[:, None], None)[:, 0]
-        first = pick_tokens(scores, sampling, slot=0)[0].tolist()
-        first_logprobs = [
-            token_logprobs(logits[i : i + 1], [tok], row.params.logprobs) if row.params.logprobs is not None else None
-            for i, (row, tok) in enumerate(zip(new, first))
-        ]
+        # First tokens for the rows new to the batch, with the first of each one's uniforms.
+        fresh = [i for i, r in enumerate(new) if id(r) not in resumed]
+        first: list[int | None] = [None] * len(new)
+        first_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
+        if fresh:
+            rows = [new[i] for i in fresh]
+            sampling = SamplingBatch.of_params([r.params for r in rows], draw_uniforms(rows, 1, dev), dev)
+            scores = process_logits([r.processor for r in rows], logits[fresh][:, None], None)[:, 0]
+            for i, tok in zip(fresh, pick_tokens(scores, sampling, slot=0)[0].tolist()):
+                first[i] = tok
+                if new[i].params.logprobs is not None:
+                    first_logprobs[i] = token_logprobs(logits[i : i + 1], [tok], new[i].params.logprobs)
         # All work is done: now advance the caches.
         self.cache.set_lengths(lo, [s + n for s, n in zip(starts, lengths)])
         if self.drafter is not None:
@@ -140,11 +150,12 @@ class Prefiller:
                 self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b], lengths[a:b])
         if self.prefix_cache is not None:
             for i, row in enumerate(new):
-                self.prefix_cache.store(lo + i, row.prompt_ids)
+                self.prefix_cache.store(lo + i, ids[id(row)])
         captured: list[torch.Tensor | None] = [None] * len(new)
         if self.capture:
             for (a, b), feats in zip(groups, features):
                 assert feats is not None
                 for i in range(a, b):
-                    captured[i] = feats[i - a, : lengths[i]].to(torch.float16).cpu()
+                    if id(new[i]) not in resumed:
+                        captured[i] = feats[i - a, : lengths[i]].to(torch.float16).cpu()
         return PrefillResult(new, first, first_logprobs, scored_logprobs, captured)

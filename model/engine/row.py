@@ -32,6 +32,7 @@ class Row:
     ngram: NgramIndex | None = None  # prompt + output, indexed for prompt lookup
     ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
     processor: RowProcessor | None = None  # logits processors and their state (None: plain sampling)
+    admitted: int = 0  # order of first admission (0: never admitted); the newest is preempted first
 
 
 def seed_generator(seed: int) -> np.random.Generator:

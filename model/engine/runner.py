@@ -11,7 +11,6 @@ import torch
 from model.engine.config import EngineConfig
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer
-from model.engine.row import Row
 from model.engine.static import StaticSteps, batch_buckets, verify_widths
 from model.kv.blocks import BlockPool, BlockTables, kv_budget
 from model.kv.prefix_cache import PrefixCache
@@ -175,12 +174,6 @@ class ModelRunner:
                 raise
         self.cache.advance(lo, accepted + 1, counts)
 
-    def reserve(self, row: Row) -> bool:
-        """Admission by free KV blocks: the row's prompt, every token it may generate and a step's
-        lookahead, reserved up front (so an admitted row never runs out); False when they do not fit."""
-        tokens = len(row.prompt_ids) + row.params.max_new_tokens + self.lookahead
-        return self.blocks.reserve(row.request_id, tokens)
-
     def kv_summary(self) -> str:
         """The start-up line's account of KV memory."""
         pool = self.blocks.pool
@@ -188,7 +181,7 @@ class ModelRunner:
         return (
             f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = {tokens} tokens "
             f"({format_bytes(tokens * self.bytes_per_token)}); {self.rows_at_max_len} rows fit at max_model_len "
-            f"(admission by blocks; storage still one slot of max_model_len per row)"
+            f"(storage still one slot of max_model_len per row)"
         )
 
     def move_row(self, src: int, dst: int) -> None:

@@ -116,17 +116,22 @@ class BlockTables:
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
-    def reserve(self, request_id: str, tokens: int) -> bool:
-        """Grow the row's table to hold positions 0..tokens-1; False, with nothing taken, when the
-        pool cannot."""
-        table = self.tables.get(request_id, [])
-        more = self.pool.blocks_for(tokens) - len(table)
-        if more <= 0:
+    def shortfall(self, request_id: str, tokens: int) -> int:
+        """Blocks the row lacks to hold positions 0..tokens-1."""
+        return max(0, self.pool.blocks_for(tokens) - len(self.tables.get(request_id, [])))
+
+    def reserve(self, request_id: str, tokens: int, keep_free: int = 0) -> bool:
+        """Grow the row's table to hold positions 0..tokens-1, leaving at least `keep_free` blocks
+        free; False, with nothing taken, when the pool cannot."""
+        more = self.shortfall(request_id, tokens)
+        if more == 0:
             return True
+        if self.pool.num_free - more < keep_free:
+            return False
         blocks = self.pool.allocate(more)
         if blocks is None:
             return False
-        self.tables[request_id] = table + blocks
+        self.tables[request_id] = self.tables.get(request_id, []) + blocks
         return True
 
     def free(self, request_id: str) -> None:

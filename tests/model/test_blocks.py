@@ -3,6 +3,8 @@ and an engine that admits by free blocks, stays exact and gives every block back
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -74,58 +76,86 @@ def test_the_budget_takes_bytes_fractions_and_never_more_than_there_is() -> None
         kv_budget(there_is + 1, cpu)
 
 
-def _engine(kv_cache_memory: int | None, batch: int = 4, **kwargs: object) -> Engine:
+def _engine(kv_cache_memory: int | None, batch: int = 4, mode: str = "domino", **kwargs: object) -> Engine:
+    drafter = None if mode in ("ar", "ngram") else tiny_drafter(domino=mode == "domino")
     return Engine(
-        TargetModel(tiny_target()), tiny_drafter(domino=True), mode="domino", max_batch_size=batch,
-        max_model_len=96, kv_block_size=8, kv_cache_memory=kv_cache_memory, draft_policy="fixed", **kwargs,
+        TargetModel(tiny_target()), drafter, mode=mode, max_batch_size=batch, max_model_len=64, kv_block_size=8,
+        kv_cache_memory=kv_cache_memory, draft_policy="fixed", **kwargs,
     )  # fmt: skip
+
+
+def _small_engine(rows: int, mode: str = "domino", **kwargs: object) -> Engine:
+    """An engine whose KV budget holds `rows` rows at max_model_len (64 tokens), with 4 rows to run."""
+    big = _engine(None, mode=mode, **kwargs)
+    per_row = (big.runner.lookahead + big.max_model_len + 7) // 8
+    return _engine(rows * per_row * 8 * big.runner.bytes_per_token, mode=mode, **kwargs)
 
 
 def test_a_budget_that_cannot_hold_one_row_fails_at_start_naming_the_setting() -> None:
     bytes_per_token = _engine(None).runner.bytes_per_token
-    with pytest.raises(ValueError, match=r"DOMINO_KV_CACHE_MEMORY.*one row at max_model_len 96 needs"):
+    with pytest.raises(ValueError, match=r"DOMINO_KV_CACHE_MEMORY.*one row at max_model_len 64 needs"):
         _engine(40 * bytes_per_token)
 
 
-@pytest.mark.parametrize("static_shapes", [False, True])
-def test_rows_wait_for_blocks_and_every_output_stays_exact(static_shapes: bool) -> None:
-    """A budget of two rows at max_model_len and four rows to run them in: requests wait for blocks
-    while rows are free, every output is HF greedy's, every running row's reservation covers all
-    it may write (verify scratch included), and every block comes back."""
-    per_token = _engine(None).runner.bytes_per_token
-    engine = _engine(None, static_shapes=static_shapes)
-    per_row = (engine.runner.lookahead + engine.max_model_len + 7) // 8
-    engine = _engine(2 * per_row * 8 * per_token, static_shapes=static_shapes)
-    assert engine.kv_blocks.num_blocks == 2 * per_row and engine.runner.rows_at_max_len == 2
-    lookahead = engine.runner.lookahead
-    prompts = _prompts(6)
-    budgets = [60, 70, 64, 30, 50, 68]
-    model = tiny_target()
-    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    for i, (p, n) in enumerate(zip(prompts, budgets)):
-        engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n))
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    waited_with_rows_free = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        waited_with_rows_free += engine.num_waiting > 0 and engine.num_running < engine.max_batch_size
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Every request at once; when a decode step starts, every row's blocks cover what it holds and
+    what the step may write (verify scratch included: invisible on slot storage, corruption on paged
+    storage)."""
+    decode = engine._decode
+
+    def checked_decode(*args: Any, **kwargs: Any) -> Any:
         for slot, row in enumerate(engine.rows):
             reserved = len(engine.runner.blocks.table(row.request_id)) * 8
-            assert reserved >= engine.cache.host_lengths[slot] + lookahead, row.request_id
-        assert engine.kv_blocks.num_used <= engine.kv_blocks.num_blocks
-    assert waited_with_rows_free > 0
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == refs
-    assert engine.kv_blocks.num_used == 0
+            assert reserved >= engine.cache.host_lengths[slot] + engine.runner.lookahead, row.request_id
+        return decode(*args, **kwargs)
 
-
-def test_a_request_id_runs_once_at_a_time() -> None:
-    """Block tables are kept by request id: a second request under a live id is refused, and the id
-    is free again once its request finished."""
-    engine = _engine(None)
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=2))
-    with pytest.raises(ValueError, match="already running or waiting"):
-        engine.add_request("a", [4, 5], SamplingParams(max_new_tokens=2))
+    engine._decode = checked_decode  # type: ignore[method-assign]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while engine.has_unfinished():
-        engine.step()
-    engine.add_request("a", [4, 5], SamplingParams(max_new_tokens=2))
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.kv_blocks.num_used == 0  # every block came back
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+PROMPTS = _prompts(6)
+BUDGETS = [40, 45, 50, 30, 44, 38]
+
+
+@pytest.mark.parametrize("mode", ["ar", "ngram", "dflash", "domino"])
+def test_preemption_by_recompute_keeps_every_output_exact(mode: str) -> None:
+    """Six requests, four rows, blocks for two rows at max_model_len: rows are preempted (the newest
+    first) and recomputed, and every output is still HF greedy's, token for token."""
+    engine = _small_engine(2, mode=mode)
+    assert engine.runner.rows_at_max_len == 2
+    model = tiny_target()
+    refs = [_hf_greedy(model, p, n) for p, n in zip(PROMPTS, BUDGETS)]
+    assert _run(engine, PROMPTS, [SamplingParams(max_new_tokens=n) for n in BUDGETS]) == refs
+    assert engine.num_preemptions > 0
+
+
+def test_seeded_sampling_through_preemption_is_what_it_is_without() -> None:
+    """A preempted row resumes with no new random draw: seeded rows sample the same text as in an
+    engine with room for every row."""
+    params = [SamplingParams(max_new_tokens=n, temperature=0.9, top_k=20, seed=100 + i) for i, n in enumerate(BUDGETS)]
+    roomy = _run(_engine(None), PROMPTS, params)
+    small = _small_engine(2)
+    assert _run(small, PROMPTS, params) == roomy
+    assert small.num_preemptions > 0
+
+
+def test_a_preempted_row_scores_its_prompt_once() -> None:
+    """Echo scoring (prompt_logprobs) comes with the first output only: a recomputed row does not
+    send it again."""
+    engine = _small_engine(2)
+    for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=n, prompt_logprobs=0))
+    scored: dict[str, int] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            scored[out.request_id] = scored.get(out.request_id, 0) + (out.prompt_logprobs is not None)
+    assert engine.num_preemptions > 0
+    assert scored == {f"r{i}": 1 for i in range(len(PROMPTS))}

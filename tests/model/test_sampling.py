@@ -98,32 +98,34 @@ def _exact_joint(model, prompt: list[int], depth: int, temperature: float, top_k
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k", "policy", "threshold"),
+    ("temperature", "top_p", "top_k", "policy", "threshold", "kv_rows"),
     [
-        (1.0, 1.0, 0, "fixed", 0.0),
-        (0.7, 0.8, 0, "fixed", 0.0),
-        (1.0, 1.0, 3, "fixed", 0.0),
+        (1.0, 1.0, 0, "fixed", 0.0, None),
+        (0.7, 0.8, 0, "fixed", 0.0, None),
+        (1.0, 1.0, 3, "fixed", 0.0, None),
         # Draft counts chosen per step from the drafter's confidence must stay lossless too.
-        (1.0, 1.0, 0, "adaptive", 0.0),
-        (1.0, 1.0, 0, "fixed", 0.45),
+        (1.0, 1.0, 0, "adaptive", 0.0, None),
+        (1.0, 1.0, 0, "fixed", 0.45, None),
+        # KV blocks for 4 of the 128 rows at max_model_len: rows are preempted and recomputed.
+        (1.0, 1.0, 0, "fixed", 0.0, 4),
     ],
-    ids=["T1", "T0.7-top_p0.8", "top_k3", "T1-adaptive", "T1-threshold"],
+    ids=["T1", "T0.7-top_p0.8", "top_k3", "T1-adaptive", "T1-threshold", "T1-preempted"],
 )
 def test_speculative_sampling_matches_target_distribution(
-    temperature: float, top_p: float, top_k: int, policy: str, threshold: float
+    temperature: float, top_p: float, top_k: int, policy: str, threshold: float, kv_rows: int | None
 ) -> None:
     vocab, depth, n = 8, 3, 20_000
     model = tiny_target(vocab=vocab, seed=3)
     drafter = tiny_drafter(vocab=vocab, block_size=4, std=0.3, seed=4)  # its q differs from the target's p
-    engine = Engine(
-        TargetModel(model),
-        drafter,
-        mode="domino",
-        max_batch_size=128,
-        max_model_len=16,
-        draft_policy=policy,
-        draft_threshold=threshold,
-    )
+    config: dict[str, Any] = dict(
+        mode="domino", max_batch_size=128, max_model_len=16, draft_policy=policy, draft_threshold=threshold,
+        kv_block_size=2,
+    )  # fmt: skip
+    if kv_rows is not None:
+        roomy = Engine(TargetModel(model), drafter, **config)
+        per_row = (roomy.runner.lookahead + 16 + 1) // 2
+        config["kv_cache_memory"] = kv_rows * per_row * 2 * roomy.runner.bytes_per_token
+    engine = Engine(TargetModel(model), drafter, **config)
     prompt = [1, 2, 3]
     params = [
         SamplingParams(max_new_tokens=5, temperature=temperature, top_p=top_p, top_k=top_k, seed=i) for i in range(n)
@@ -142,6 +144,8 @@ def test_speculative_sampling_matches_target_distribution(
         # The rule really varied the number of drafts per step.
         assert 0 < drafted < sum(r[1].verify_steps for r in results) * drafter.config.num_drafts
 
+    if kv_rows is not None:
+        assert engine.num_preemptions > 100, engine.num_preemptions
     expected = _exact_joint(model, prompt, depth, temperature, top_k, top_p)
     pvalue = _chi_square(counts, expected, n)
     print(f"T={temperature} top_p={top_p} top_k={top_k}: acceptance {accepted / drafted:.3f}, p-value {pvalue:.3g}")

@@ -1,0 +1,34 @@
+"""KV memory by budget, served: a budget far smaller than max_batch_size rows, concurrent requests
+that outgrow it, rows preempted and recomputed, and every answer the one the request gets alone."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import httpx
+
+from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
+
+
+def test_concurrent_requests_through_preemption_answer_as_alone(server_factory: Callable[..., ServerProcess]) -> None:
+    srv = server_factory(max_model_len=128, max_batch_size=6, kv_cache_memory="300KiB", prefix_cache_tokens=0)
+    line = re.search(r"KV cache: (\d+) blocks x 16 tokens = \d+ tokens .*; (\d+) rows fit", srv.logs())
+    assert line is not None and int(line.group(2)) == 1, srv.logs()  # one row at max_model_len
+    prompts = [[4 + i, 5, 6 + 2 * i, 7] for i in range(6)]
+
+    def complete(prompt: list[int] | list[list[int]]) -> list[str]:
+        body = {"prompt": prompt, "max_tokens": 70, "ignore_eos": True, "temperature": 0}
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+        assert r.json()["usage"]["completion_tokens"] == 70 * len(choices)
+        return [ch["text"] for ch in choices]
+
+    # One request with six prompts: six rows join the engine at once, and outgrow the blocks.
+    together = complete(prompts)
+    samples = scrape_metrics(srv.url)
+    assert metric(samples, "domino_num_preemptions_total") > 0
+    assert metric(samples, "domino_kv_cache_blocks", state="used") == 0
+    assert [complete(p)[0] for p in prompts] == together  # each alone
