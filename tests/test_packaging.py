@@ -92,8 +92,21 @@ def test_wheel_install_finds_shipped_drafters(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    # --ignore-installed: without it pip, seeing this environment's editable install, uninstalls it
+    # (and its `domino-serve` script) before installing into the prefix.
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--prefix", str(venv), str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--ignore-installed",
+            "--prefix",
+            str(venv),
+            str(wheel),
+        ],  # fmt: skip
         env=env,
         capture_output=True,
         text=True,
@@ -123,6 +136,8 @@ print(model.__file__)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(venv) in proc.stdout.splitlines()[-1]  # the installed copy, not the checkout
     assert proc.stdout.count("share/domino-serve/drafters/smollm2-135m-") == 2
+    # The developer's environment still has its own install (`make serve` runs its script).
+    assert (Path(sys.executable).parent / "domino-serve").exists()
 
 
 # The wire side: what the worker hands results through, and everything that only reads requests
