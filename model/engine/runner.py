@@ -180,7 +180,8 @@ class ModelRunner:
         tokens = pool.num_blocks * pool.block_size
         return (
             f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = {tokens} tokens "
-            f"({format_bytes(tokens * self.bytes_per_token)}); {self.rows_at_max_len} rows fit at max_model_len "
+            f"({format_bytes(tokens * self.bytes_per_token)}); {self.rows_at_max_len} "
+            f"{'row fits' if self.rows_at_max_len == 1 else 'rows fit'} at max_model_len "
             f"(storage still one slot of max_model_len per row)"
         )
 

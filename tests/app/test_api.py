@@ -588,7 +588,8 @@ def test_client_disconnect_cancels_the_request(server: ServerProcess) -> None:
     assert metric(final, "domino_request_success_total", finished_reason="abort") == aborted + 1
     assert metric(final, "domino_kv_cache_blocks", state="used") == 0  # the aborted rows gave theirs back
     # The start-up line accounts for the KV memory.
-    assert re.search(r"KV cache: \d+ blocks x 16 tokens = \d+ tokens \(.*\); \d+ rows fit", server.log_path.read_text())
+    kv_line = r"KV cache: \d+ blocks x 16 tokens = \d+ tokens \(.*\); \d+ rows? fits?"
+    assert re.search(kv_line, server.log_path.read_text())
     assert metric(final, "domino_generation_tokens_total") - metric(after, "domino_generation_tokens_total") < 400
     # The server is still fine.
     assert httpx.get(server.url + "/health").status_code == 200
