@@ -50,6 +50,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         prefix_block_size=settings.prefix_block_size,
         kv_cache_memory=parse_memory(settings.kv_cache_memory) if settings.kv_cache_memory is not None else None,
         kv_block_size=settings.kv_block_size,
+        kv_layout=settings.kv_layout,
     )
 
 

@@ -110,6 +110,12 @@ class Settings(BaseSettings):
         "0.9 on a GPU",
     )
     kv_block_size: int = Field(16, description="tokens per KV cache block, a power of two")
+    kv_layout: Literal["slots", "paged"] = Field(
+        "slots",
+        description="KV storage: slots (one of max_model_len per running row, allocated at start) or paged "
+        "(pools of KV blocks holding DOMINO_KV_CACHE_MEMORY; attention reads each row's own blocks). "
+        "paged needs DOMINO_STATIC_SHAPES=off for now",
+    )
     prefix_cache_tokens: int = Field(
         4096,
         ge=0,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 MODES = ("domino", "dflash", "ngram", "ar")
 DRAFT_POLICIES = ("adaptive", "fixed")
+KV_LAYOUTS = ("slots", "paged")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class EngineConfig:
     # None: 2 GiB on a CPU, 0.9 on a GPU. Rows are admitted while their blocks fit.
     kv_cache_memory: int | float | None = None
     kv_block_size: int = 16  # tokens per KV block, a power of two
+    kv_layout: str = "slots"  # slots: one slot of max_model_len per row; paged: pools of KV blocks
 
     def check(self) -> None:
         """ValueError naming the field, for values no engine can run with."""
@@ -46,6 +48,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_drafts is not None and self.max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):
             raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:

@@ -199,6 +199,7 @@ class Engine:
             preempted = self.scheduler.preempt_for_step(self.rows)  # back in the queue, to be recomputed
             self._remove_rows([self.rows.index(row) for row in preempted])
             self.num_preemptions += len(preempted)
+            self.runner.place(self.rows)  # the blocks each row grew into (paged storage)
             states = [row.generator.bit_generator.state for row in self.rows]
             try:
                 outputs.extend(self._decode())

@@ -5,6 +5,7 @@ the first tokens to the rows (model/engine/engine.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class Prefiller:
         want_features: bool,
         capture: bool,
         split_tokens: int,
+        place: Callable[[list[Row], int], None],
     ) -> None:
         self.target, self.cache = target, cache
         self.drafter, self.draft_cache = drafter, draft_cache
@@ -73,6 +75,7 @@ class Prefiller:
         self.taps, self.want_features, self.capture = taps, want_features, capture
         # What one more prefill forward costs, in padded prompt tokens (EngineConfig.prefill_split_tokens).
         self.split_tokens = split_tokens
+        self.place = place  # rows now in slots lo..: their block tables (paged storage) follow them
         self.device = target.device
 
     @torch.inference_mode()
@@ -95,6 +98,7 @@ class Prefiller:
         block = self.prefix_cache.block_size if self.prefix_cache else 0
         cached = {id(r): len(hits[id(r)]) * block for r in new}
         new = sorted(new, key=lambda r: len(ids[id(r)]) - cached[id(r)])
+        self.place(new, lo)
         starts = [cached[id(r)] for r in new]
         lengths = [len(ids[id(r)]) - n for r, n in zip(new, starts)]  # tokens forwarded per row
         lens = torch.tensor(lengths, device=dev)

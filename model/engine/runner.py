@@ -5,14 +5,17 @@ and the static-shape (CUDA-graph) buckets, and the forwards that read and advanc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from model.engine.config import EngineConfig
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer
+from model.engine.row import Row
 from model.engine.static import StaticSteps, batch_buckets, verify_widths
-from model.kv.blocks import BlockPool, BlockTables, kv_budget
+from model.kv.blocks import BlockPool, BlockTables, kv_budget, kv_bytes_per_token
+from model.kv.paged import PagedKV
 from model.kv.prefix_cache import PrefixCache
 from model.kv.sizes import format_bytes
 from model.nn.drafter import Drafter, new_context_cache
@@ -67,18 +70,15 @@ class ModelRunner:
         slots, capacity = cache_layout(
             cfg.max_batch_size, cfg.max_model_len, max(block, max_drafts_per_step), static_shapes
         )
-        self.cache = target.new_cache(slots, capacity)
-        self.draft_cache = (
-            new_context_cache(drafter.config, slots, capacity, target.dtype, self.device)
-            if drafter is not None
-            else None
-        )
-        # KV memory by blocks (model/kv/blocks.py): admission reserves a row's blocks up front. The
-        # storage is still a slot per row, so never more blocks than the slots could use.
+        # KV memory by blocks (model/kv/blocks.py): admission reserves a row's blocks, each step grows
+        # them. Never more blocks than the slots could use (so small test engines stay small).
         self.lookahead = capacity - cfg.max_model_len  # positions a step may write past a row's tokens
-        self.bytes_per_token = self.cache.bytes_per_token
-        if self.draft_cache is not None:
-            self.bytes_per_token += self.draft_cache.bytes_per_token
+        self.bytes_per_token = kv_bytes_per_token(target.num_layers, target.kv_heads, target.head_dim, target.dtype)
+        if drafter is not None:
+            dcfg = drafter.config
+            self.bytes_per_token += kv_bytes_per_token(
+                dcfg.num_hidden_layers, dcfg.num_key_value_heads, dcfg.head_dim, target.dtype
+            )
         block_bytes = cfg.kv_block_size * self.bytes_per_token
         per_row = math.ceil(capacity / cfg.kv_block_size)
         num_blocks = min(budget // block_bytes, slots * per_row)
@@ -88,6 +88,20 @@ class ModelRunner:
                 f"{cfg.kv_block_size} tokens; one row at max_model_len {cfg.max_model_len} needs {per_row} "
                 f"({format_bytes(per_row * block_bytes)})"
             )
+        # The storage: a slot of `capacity` per row, or (kv_layout "paged") pools of those blocks.
+        self.paged = cfg.kv_layout == "paged"
+        if self.paged and static_shapes:
+            raise ValueError(
+                "kv_layout 'paged' (DOMINO_KV_LAYOUT) does not run with static shapes yet (DOMINO_STATIC_SHAPES, on "
+                "for CUDA by default): set DOMINO_STATIC_SHAPES=off, or DOMINO_KV_LAYOUT=slots"
+            )
+        paging = (num_blocks, cfg.kv_block_size) if self.paged else None
+        self.cache = target.new_cache(slots, capacity, paging)
+        self.draft_cache = (
+            new_context_cache(drafter.config, slots, capacity, target.dtype, self.device, paging)
+            if drafter is not None
+            else None
+        )
         self.blocks = BlockTables(BlockPool(num_blocks, cfg.kv_block_size))
         self.rows_at_max_len = num_blocks // per_row
         # Prompt beginnings seen before (model/kv/prefix_cache.py); not when capturing training
@@ -109,7 +123,7 @@ class ModelRunner:
             split_tokens = 512 if self.device.type == "cuda" else 32
         self.prefiller = Prefiller(
             target, self.cache, drafter, self.draft_cache, self.prefix_cache, self.taps, self.want_features,
-            self.capture, split_tokens,
+            self.capture, split_tokens, self.place,
         )  # fmt: skip
         self.drafter_proposer = (
             DrafterProposer(drafter, self.draft_cache, num_drafts, use_head, self.device)
@@ -182,8 +196,19 @@ class ModelRunner:
             f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = {tokens} tokens "
             f"({format_bytes(tokens * self.bytes_per_token)}); {self.rows_at_max_len} "
             f"{'row fits' if self.rows_at_max_len == 1 else 'rows fit'} at max_model_len "
-            f"(storage still one slot of max_model_len per row)"
+            f"" + ("(paged)" if self.paged else "(storage: one slot of max_model_len per row)")
         )
+
+    def place(self, rows: Sequence[Row], lo: int = 0) -> None:
+        """Rows now in slots lo..: with paged storage each slot's block table becomes its row's
+        (copied only where it changed); with slots, nothing to do."""
+        if not self.paged:
+            return
+        for i, row in enumerate(rows):
+            table = self.blocks.table(row.request_id)
+            for cache in (self.cache, self.draft_cache):
+                if isinstance(cache, PagedKV):
+                    cache.set_table(lo + i, table)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row `src` now lives in slot `dst` (one row copy per cache)."""

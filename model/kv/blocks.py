@@ -26,6 +26,11 @@ CPU_DEFAULT_KV_MEMORY = 2 * 2**30
 GPU_DEFAULT_KV_FRACTION = 0.9
 
 
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take in a cache of these shapes."""
+    return num_layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
 def memory_there_is(device: torch.device) -> int:
     """What a KV budget may take at most: on CUDA the device's free memory now (after the weights),
     on a CPU the machine's physical memory."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from model.kv.paged import PagedKV
 from model.kv.slots import SlotKV
 
 
@@ -31,6 +32,9 @@ class RaggedKVCache(SlotKV, Cache):
     ) -> None:
         Cache.__init__(self, layers=[])
         SlotKV.__init__(self, num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device)
+        self._forget_forward()
+
+    def _forget_forward(self) -> None:
         # Set by `prepare` for one forward.
         self._lo = 0
         self._hi = 0
@@ -58,6 +62,28 @@ class RaggedKVCache(SlotKV, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
+
+
+class PagedTargetCache(PagedKV, RaggedKVCache):
+    """The target's cache over block pools (model/kv/paged.py): the same `Cache` calls, paged storage."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_slots: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        Cache.__init__(self, layers=[])
+        PagedKV.__init__(
+            self, num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device, num_blocks, block_size
+        )
+        self._forget_forward()
 
 
 def check_cache_written(cache: RaggedKVCache, num_layers: int) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.engine.sampling import SamplingBatch, pick_tokens
-from model.kv.draft_cache import DraftContextCache
+from model.kv.draft_cache import DraftContextCache, PagedDraftContextCache
 from model.nn.attention import can_pack, packed_gqa_attention
 
 
@@ -226,12 +226,19 @@ def gru_cell(x: torch.Tensor, h: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.T
 
 
 def new_context_cache(
-    cfg: DrafterConfig, max_slots: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    cfg: DrafterConfig,
+    max_slots: int,
+    capacity: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    paging: tuple[int, int] | None = None,
 ) -> DraftContextCache:
-    """A drafter's context cache: `max_slots` rows of `capacity` context tokens for every layer."""
-    return DraftContextCache(
-        cfg.num_hidden_layers, max_slots, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, device
-    )
+    """A drafter's context cache: `max_slots` rows of `capacity` context tokens for every layer, one
+    slot each or with `paging` (num_blocks, block_size) pools of blocks (model/kv/paged.py)."""
+    shape = (cfg.num_hidden_layers, max_slots, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+    if paging is not None:
+        return PagedDraftContextCache(*shape, *paging)
+    return DraftContextCache(*shape)
 
 
 @dataclass

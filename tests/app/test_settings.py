@@ -34,8 +34,9 @@ def test_max_drafts_and_the_retired_block_size(monkeypatch: pytest.MonkeyPatch) 
 def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DOMINO_KV_CACHE_MEMORY", "64MiB")
     monkeypatch.setenv("DOMINO_KV_BLOCK_SIZE", "32")
+    monkeypatch.setenv("DOMINO_KV_LAYOUT", "paged")
     cfg = engine_config(Settings())
-    assert cfg.kv_cache_memory == 64 * 2**20 and cfg.kv_block_size == 32
+    assert cfg.kv_cache_memory == 64 * 2**20 and cfg.kv_block_size == 32 and cfg.kv_layout == "paged"
     monkeypatch.setenv("DOMINO_KV_CACHE_MEMORY", "0.5")
     assert engine_config(Settings()).kv_cache_memory == 0.5
     monkeypatch.delenv("DOMINO_KV_CACHE_MEMORY")
@@ -49,6 +50,7 @@ def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
         ({"DOMINO_KV_CACHE_MEMORY": "lots"}, "DOMINO_KV_CACHE_MEMORY"),
         ({"DOMINO_KV_CACHE_MEMORY": "1.5"}, "DOMINO_KV_CACHE_MEMORY"),
         ({"DOMINO_BLOCK_SIZE": "4"}, "DOMINO_MAX_DRAFTS"),
+        ({"DOMINO_KV_LAYOUT": "pages"}, "kv_layout"),
     ],
 )
 def test_bad_kv_settings_stop_the_server_at_start_naming_the_setting(env: dict[str, str], message: str) -> None:

@@ -37,8 +37,13 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _engine(model, mode: str, batch: int, **kwargs) -> Engine:
+LAYOUTS = ["slots", "paged"]  # KV storage: a slot per row, or pools of blocks (model/kv/paged.py)
+
+
+def _engine(model, mode: str, batch: int, layout: str = "slots", **kwargs) -> Engine:
     drafter = tiny_drafter(domino=True) if mode != "ar" else None
+    if layout == "paged":  # small blocks: rows cross many block boundaries
+        kwargs = {"kv_layout": "paged", "kv_block_size": 4, **kwargs}
     return Engine(TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, **kwargs)
 
 
@@ -56,11 +61,12 @@ def target_and_refs(request):
 GREEDY_CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("mode", "batch", "policy"), GREEDY_CASES)
-def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
+def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str, layout: str) -> None:
     """Rows of different lengths and budgets; with batch < 8 rows join as others finish."""
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, batch, draft_policy=policy)
+    engine = _engine(model, mode, batch, layout, draft_policy=policy)
     params = [SamplingParams(max_new_tokens=n) for n in budgets]
     results = engine.generate(prompts, params)
     for (tokens, stats, reason), ref in zip(results, refs):
@@ -79,10 +85,11 @@ def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, poli
         assert engine.draft_forwards > 0  # the adaptive policy starts by drafting
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_rows_join_while_others_decode(target_and_refs, mode: str) -> None:
+def test_rows_join_while_others_decode(target_and_refs, mode: str, layout: str) -> None:
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, 4)
+    engine = _engine(model, mode, 4, layout)
     tokens: dict[str, list[int]] = {}
     pending = list(range(8))
     steps = 0
@@ -258,9 +265,10 @@ def test_invalid_requests_are_rejected() -> None:
         engine.add_request("x", [1], SamplingParams(top_p=0.0))
 
 
-def test_abort_frees_the_slot() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_abort_frees_the_slot(layout: str) -> None:
     model = tiny_target()
-    engine = _engine(model, "domino", 1)
+    engine = _engine(model, "domino", 1, layout)
     engine.add_request("long", [1, 2, 3], SamplingParams(max_new_tokens=80))
     engine.add_request("next", [4, 5], SamplingParams(max_new_tokens=3))
     engine.step()
@@ -278,21 +286,22 @@ def test_abort_frees_the_slot() -> None:
     assert done["next"] == _hf_greedy(model, [4, 5], 3)
 
 
-def test_seeded_sampling_same_alone_and_in_batch() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_seeded_sampling_same_alone_and_in_batch(layout: str) -> None:
     model = tiny_target()
     prompts = _prompts(6)
     seeded = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
-    alone = _engine(model, "domino", 1).generate([prompts[0]], seeded)[0][0]
+    alone = _engine(model, "domino", 1, layout).generate([prompts[0]], seeded)[0][0]
     others = [
         SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip([5, 30, 12, 9, 18], [1.0, 0, 0.7, 1.3, 0])
     ]
-    batch = _engine(model, "domino", 4).generate(
+    batch = _engine(model, "domino", 4, layout).generate(
         [prompts[3], prompts[1], prompts[0], *prompts[2:5]], [others[0], others[1], seeded, *others[2:5]]
     )
     assert batch[2][0] == alone
-    again = _engine(model, "domino", 3).generate([prompts[0], prompts[5]], [seeded, others[1]])[0][0]
+    again = _engine(model, "domino", 3, layout).generate([prompts[0], prompts[5]], [seeded, others[1]])[0][0]
     assert again == alone
-    different = _engine(model, "domino", 1).generate(
+    different = _engine(model, "domino", 1, layout).generate(
         [prompts[0]], SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99)
     )[0][0]
     assert different != alone
@@ -371,8 +380,9 @@ def test_prompt_logprobs_are_the_targets_forward(mode: str) -> None:
     assert engine.rows == [] and not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fail_at", [1, 4])
-def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int) -> None:
+def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int, layout: str) -> None:
     """A decode step that fails in the drafter's append_context (after the verify forward) is retried
     row by row; the target cache must not have advanced for it, nor the drafter's context, so the
     retry continues exactly where the failed step started: output token-identical to the target alone."""
@@ -380,7 +390,7 @@ def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int) -> No
     prompts = _prompts(3)
     budgets = [14, 9, 12]
     refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    engine = _engine(model, "domino", 3, draft_policy="fixed")
+    engine = _engine(model, "domino", 3, layout, draft_policy="fixed")
     assert engine.drafter is not None
     real_append = engine.drafter.append_context
     calls = 0
@@ -467,24 +477,26 @@ def test_prefill_groups_split_where_padding_costs_more_than_a_forward() -> None:
     assert cost(groups) <= min(cost([(0, len(lengths))]), cost([(i, i + 1) for i in range(len(lengths))]))
 
 
-def test_prefill_of_very_different_prompt_lengths_matches_each_alone() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_of_very_different_prompt_lengths_matches_each_alone(layout: str) -> None:
     """Rows admitted together are split into several prompt forwards; each row's greedy output is
     still the target's alone, and the drafter's context follows each group."""
     model = tiny_target()
     prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
     refs = [_hf_greedy(model, p, 12) for p in prompts]
     for mode in ("ar", "domino"):
-        engine = _engine(model, mode, 4)
+        engine = _engine(model, mode, 4, layout)
         results = engine.generate(prompts, SamplingParams(max_new_tokens=12))
         assert [t for t, _, _ in results] == refs, mode
 
 
-def test_split_prefill_fills_both_caches_as_one_forward_does() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_prefill_fills_both_caches_as_one_forward_does(layout: str) -> None:
     model = tiny_target()
     prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
     engines = []
     for split in (32, 10**6):
-        engine = _engine(model, "domino", 4, prefill_split_tokens=split)  # the same seeded drafter
+        engine = _engine(model, "domino", 4, layout, prefill_split_tokens=split)  # the same seeded drafter
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=4))
         engine.step()  # the prefill
@@ -506,14 +518,15 @@ def _shared_beginning_prompts() -> list[list[int]]:
     return [system + t for t in tails] + [system[:10] + tails[0]]  # the last shares only 10 tokens
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["ar", "domino"])
-def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str) -> None:
+def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str, layout: str) -> None:
     """Prompts beginning alike copy the stored blocks (block 4: 20 of the 21 shared tokens, 8 of the
     10 the last prompt shares) and forward the rest; every output is still the target's alone."""
     model = tiny_target()
     prompts = _shared_beginning_prompts()
     refs = [_hf_greedy(model, p, 10) for p in prompts]
-    engine = _engine(model, mode, 2, prefix_cache_tokens=256, prefix_block_size=4)
+    engine = _engine(model, mode, 2, layout, prefix_cache_tokens=256, prefix_block_size=4)
     results = engine.generate(prompts[:1], SamplingParams(max_new_tokens=10))  # fills the cache
     results += engine.generate(prompts[1:], SamplingParams(max_new_tokens=10))
     assert [t for t, _, _ in results] == refs
@@ -525,12 +538,13 @@ def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str) -> Non
     assert engine.prefix_cache.num_tokens <= 256
 
 
-def test_prefix_cache_fills_both_caches_as_a_full_prefill_does() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefix_cache_fills_both_caches_as_a_full_prefill_does(layout: str) -> None:
     model = tiny_target()
     first, second = _shared_beginning_prompts()[:2]
     engines = []
     for tokens in (256, 0):
-        engine = _engine(model, "domino", 2, prefix_cache_tokens=tokens, prefix_block_size=4)
+        engine = _engine(model, "domino", 2, layout, prefix_cache_tokens=tokens, prefix_block_size=4)
         engine.generate([first], SamplingParams(max_new_tokens=2))
         engine.add_request("r", second, SamplingParams(max_new_tokens=4))
         engine.step()  # the prefill

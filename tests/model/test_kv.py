@@ -134,3 +134,25 @@ def test_a_second_engine_keeps_the_draft_lm_head_where_the_first_bound_it() -> N
     prompt = [5, 9, 2, 7]
     expected = _hf_greedy(target.hf_model, prompt, 8)
     assert first.generate([prompt], SamplingParams(max_new_tokens=8))[0][0] == expected
+
+
+def test_paged_writes_past_a_rows_blocks_land_in_the_trash_block() -> None:
+    """A prefill group pads short rows to its longest: on paged storage those positions have no block
+    of the row's own and go to the trash block, never into another row's blocks; compaction moves
+    tables, not keys."""
+    from model.kv.paged import PagedKV
+
+    cache = PagedKV(1, 2, 16, 1, 2, torch.float32, "cpu", num_blocks=4, block_size=4)
+    cache.set_table(0, [2])  # row 0 owns positions 0..3 only
+    cache.set_table(1, [0, 1])
+    k = torch.arange(1, 9, dtype=torch.float32).reshape(1, 1, 8, 1).expand(1, 1, 8, 2)
+    index = cache.scatter_index(0, torch.tensor([0]), 8)  # row 0 writes 8 positions
+    cache.write(0, index, k, k)
+    assert torch.equal(cache.keys[0][2, 0, :, 0], torch.tensor([1.0, 2, 3, 4]))
+    assert torch.equal(cache.keys[0][0], torch.zeros(1, 4, 2)) and torch.equal(cache.keys[0][1], torch.zeros(1, 4, 2))
+    assert cache.keys[0][cache.trash].abs().sum() > 0  # positions 4..7 went there
+    cache.set_lengths(0, [4, 0])
+    cache.move_row(0, 1)
+    assert cache.host_tables[1] == [2] and cache.host_lengths[1] == 4
+    keys, _ = cache.view(0, 1, 2, 4)
+    assert torch.equal(keys[0, 0, :, 0], torch.tensor([1.0, 2, 3, 4]))

@@ -26,7 +26,9 @@ def _prefiller(split_tokens: int) -> tuple[Prefiller, TargetModel]:
     cache = target.new_cache(4, 32)
     draft_cache = new_context_cache(drafter.config, 4, 32, target.dtype, target.device)
     taps = list(drafter.config.target_layer_ids)
-    return Prefiller(target, cache, drafter, draft_cache, None, taps, True, False, split_tokens), target
+    return Prefiller(
+        target, cache, drafter, draft_cache, None, taps, True, False, split_tokens, lambda rows, lo: None
+    ), target
 
 
 def _rows(prompts: list[list[int]]) -> list[Row]:
