@@ -65,6 +65,9 @@ class Metrics:
         preemptions = counter(
             "domino_num_preemptions", "Running requests taken out of the batch for want of KV blocks, to be recomputed."
         )
+        kv_bytes_read = counter(
+            "domino_kv_bytes_read", "Bytes of keys and values the engine's attention read (the span it attends over)."
+        )
         self.num_drafts = drafts.labels(m)
         self.num_draft_tokens = {p: draft_tokens.labels(m, p) for p in PROPOSERS}
         self.num_accepted_tokens = {p: accepted.labels(m, p) for p in PROPOSERS}
@@ -75,6 +78,7 @@ class Metrics:
         self.request_success = {reason: success.labels(m, reason) for reason in ("stop", "length", "abort")}
         self.request_errors = errors.labels(m)
         self.preemptions = preemptions.labels(m)
+        self.kv_bytes_read = kv_bytes_read.labels(m)
 
     def _add_histograms(self, num_draft_positions: int, max_batch_size: int) -> None:
         histogram, m = self._histogram, self.model_name

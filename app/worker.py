@@ -115,6 +115,7 @@ class EngineWorker:
             self.tokenizer = tokenizer
         self.metrics = metrics
         self._preemptions = 0  # the engine's count already added to the metrics
+        self._kv_bytes_read = 0  # likewise
         self.capacity = engine.max_batch_size + max_waiting
         self.processor_factory = processor_factory
         self.token_texts = TokenTexts(self.tokenizer)
@@ -421,6 +422,9 @@ class EngineWorker:
         if self.engine.num_preemptions > self._preemptions:
             self.metrics.preemptions.inc(self.engine.num_preemptions - self._preemptions)
             self._preemptions = self.engine.num_preemptions
+        if self.engine.kv_bytes_read > self._kv_bytes_read:
+            self.metrics.kv_bytes_read.inc(self.engine.kv_bytes_read - self._kv_bytes_read)
+            self._kv_bytes_read = self.engine.kv_bytes_read
 
 
 def _stats(out: RequestOutput) -> RequestStats:

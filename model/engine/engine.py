@@ -34,6 +34,7 @@ from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
 from model.engine.step import DecodeStep, StepResults
 from model.kv.blocks import BlockPool
+from model.nn.attention import KV_READS
 from model.nn.drafter import Drafter
 from model.nn.target import TargetModel, TargetOutput
 
@@ -98,6 +99,7 @@ class Engine:
         self.rows: list[Row] = []  # row i lives in cache slot i
         self.scheduler = Scheduler(cfg.max_batch_size, self.runner.blocks, self.runner.lookahead)
         self.num_preemptions = 0  # rows taken out of the batch for want of KV blocks, to be recomputed
+        self.kv_bytes_read = 0  # keys/values its steps' attention read (model/nn/attention.py: KV_READS)
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
 
@@ -175,6 +177,13 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        counted = KV_READS.bytes
+        try:
+            return self._step()
+        finally:
+            self.kv_bytes_read += KV_READS.bytes - counted
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_aborted(outputs)
         new = self.scheduler.admit(self.rows)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.nn.attention import KV_READS
+
 log = logging.getLogger("domino.static")
 
 Tensors = tuple[torch.Tensor, ...]
@@ -71,6 +73,7 @@ class StaticFunction:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Tensors = ()
         self.calls = 0
+        self.kv_bytes_read = 0  # what one run's attention reads, counted at capture (a replay runs no Python)
         if graph:
             try:
                 self._capture()
@@ -88,9 +91,11 @@ class StaticFunction:
                 self.fn(*self.inputs)
         caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        counted = KV_READS.bytes
         try:
             with torch.cuda.graph(graph):
                 self.outputs = self.fn(*self.inputs)
+            self.kv_bytes_read = KV_READS.bytes - counted
         finally:
             # A failed capture raises from inside torch.cuda.graph's exit, before it switches
             # back from its capture stream: make the caller's stream current again either way.
@@ -104,6 +109,7 @@ class StaticFunction:
         if self.graph is None:
             return self.fn(*self.inputs)
         self.graph.replay()
+        KV_READS.bytes += self.kv_bytes_read
         return self.outputs
 
 

@@ -10,6 +10,7 @@ layer) it halves the attention of a T = 2..9 verify (1.2 → 0.55 ms at T = 2).
 
 `packed_gqa_attention` is the kernel call; `ATTENTION_NAME` registers it with transformers so the
 target's decoder layers use it (anything it cannot fold falls back to transformers' own SDPA).
+`KV_READS` counts the key/value bytes every attention call here is handed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,23 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTENTION_NAME = "domino_sdpa"
+
+
+class KVReadCounter:
+    """Bytes of keys and values handed to attention kernels, summed on the host from shapes (no
+    device read). What a step reads is its span: the longest live row on the dynamic path, the
+    whole capacity on the static one. Paged storage gathers those bytes once more before the
+    kernel (model/kv/paged.py), which is not counted here. A replayed CUDA graph runs no Python:
+    model/engine/static.py adds what its capture counted at each replay."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.bytes += keys.numel() * keys.element_size() + values.numel() * values.element_size()
+
+
+KV_READS = KVReadCounter()
 
 
 def can_pack(num_heads: int, num_kv_heads: int, mask: torch.Tensor | None) -> bool:
@@ -58,6 +76,7 @@ def _domino_sdpa(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; output [R, T, H, D] like its SDPA."""
+    KV_READS.add(key, value)
     q_len = query.shape[2]
     if q_len > 1 and dropout == 0.0 and can_pack(query.shape[1], key.shape[1], attention_mask):
         assert attention_mask is not None

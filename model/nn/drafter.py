@@ -25,7 +25,7 @@ from torch import nn
 
 from model.engine.sampling import SamplingBatch, pick_tokens
 from model.kv.draft_cache import DraftContextCache, PagedDraftContextCache
-from model.nn.attention import can_pack, packed_gqa_attention
+from model.nn.attention import KV_READS, can_pack, packed_gqa_attention
 
 
 @dataclass
@@ -167,6 +167,7 @@ class DraftAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k_block, v_block = self.keys_values(x, cos, sin)
         keys, values = combine(layer_idx, k_block, v_block)
+        KV_READS.add(keys, values)
         if can_pack(self.num_heads, self.num_kv_heads, mask):
             out = packed_gqa_attention(q, keys, values, mask)
         else:

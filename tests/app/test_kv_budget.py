@@ -30,5 +30,6 @@ def test_concurrent_requests_through_preemption_answer_as_alone(server_factory: 
     together = complete(prompts)
     samples = scrape_metrics(srv.url)
     assert metric(samples, "domino_num_preemptions_total") > 0
+    assert metric(samples, "domino_kv_bytes_read_total") > 0
     assert metric(samples, "domino_kv_cache_blocks", state="used") == 0
     assert [complete(p)[0] for p in prompts] == together  # each alone
