@@ -219,10 +219,11 @@ def timed_steps(engine: Engine, probe: Probe, steps: int, batch: int, s: Samples
     for _ in range(steps):
         probe.reset()
         common.synchronize(device)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, kv0 = time.perf_counter(), time.thread_time(), engine.kv_bytes_read
         outputs = engine.step()
         common.synchronize(device)
         s.step_s.append(time.perf_counter() - t0)
+        s.kv_bytes_read.append(engine.kv_bytes_read - kv0)
         s.step_cpu_s.append(time.thread_time() - c0)
         s.captured_s.append(probe.captured_s)
         s.captured_cpu_s.append(probe.captured_cpu_s)

@@ -29,6 +29,7 @@ class Samples:
     run_s: list[float] = field(default_factory=list)
     counts: dict[str, list[int]] = field(default_factory=lambda: {name: [] for name in COUNTS})
     cuda_syncs: list[int] = field(default_factory=list)
+    kv_bytes_read: list[int] = field(default_factory=list)  # what each timed step's attention read
     tokens: int = 0
     verify_calls: int = 0
     propose_calls: int = 0
@@ -86,6 +87,7 @@ def summarize(
         result[name] = _counts(s.counts[name], sites[key])
     result["cuda_syncs"] = _counts(s.cuda_syncs, sync_sites) if sync_sites is not None else None
     result.update(
+        kv_bytes_read_per_step=statistics.fmean(s.kv_bytes_read),
         tokens_per_row_step=s.tokens / (steps * batch),
         static_verify_calls=s.verify_calls,
         static_propose_calls=s.propose_calls,
@@ -110,7 +112,7 @@ def markdown(result: dict[str, Any]) -> str:
     columns = ["mode", "policy", "batch", "sampling", "host ms/step (median)", "host ms (p25)", "host CPU ms (median)"]
     columns += ["step ms (median)", "captured ms (median)", "reads/step (mean, max)", "device reads/step (mean, max)"]
     columns += ["device shape syncs/step"] + (["CUDA syncs/step"] if cuda else [])
-    columns += ["tokens/row/step", "drafter buckets/step"]
+    columns += ["KV KiB read/step", "tokens/row/step", "drafter buckets/step"]
     lines = [
         "# Host time per decode step outside the captured functions (`python -m bench.step_overhead`)",
         "",
@@ -157,7 +159,11 @@ def markdown(result: dict[str, Any]) -> str:
         ]
         if cuda:
             cells.append(f"{r['cuda_syncs']['mean']:.1f}")
-        cells += [f"{r['tokens_per_row_step']:.2f}", f"{r['static_propose_calls'] / r['steps']:.2f}"]
+        cells += [
+            f"{r['kv_bytes_read_per_step'] / 1024:.0f}",
+            f"{r['tokens_per_row_step']:.2f}",
+            f"{r['static_propose_calls'] / r['steps']:.2f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     largest = max(r["batch"] for r in result["results"])
     lines += [

@@ -42,6 +42,7 @@ def test_short_run_reports_every_case(tmp_path: Path) -> None:
         assert all(0 < h < s for h, s in zip(host["per_step"], step["per_step"]))
         assert 0 < host["median"] < step["median"] and host["mean"] < step["mean"]
         assert 0 < r["host_cpu_ms"]["median"] < r["step_cpu_ms"]["median"]
+        assert r["kv_bytes_read_per_step"] > 0  # static shapes: the whole capacity, every step
         assert r["static_verify_calls"] >= 3 and r["dynamic_verifies"] == 0  # every verify in a bucket
         if r["mode"] == "ar":
             assert r["static_propose_calls"] == 0
