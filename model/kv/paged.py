@@ -1,10 +1,16 @@
 """Paged storage behind the KV room's interface (model/kv/slots.py): per layer one pool of
-fixed-size blocks `[num_blocks + 1, kv_heads, block_size, head_dim]`, allocated once and written in
+fixed-size blocks `[num_blocks + 1, block_size, kv_heads, head_dim]`, allocated once and written in
 place, and per slot a block table. Slot s's position p lives in block `tables[s, p // block_size]` at
 offset `p % block_size`. The tables are the scheduler's (model/kv/blocks.py: `BlockTables`), copied in
 with `set_table` when they change; entries a row does not own point at the last block, a trash block
 no row owns, so the padding a prefill group writes past a short row, and the tail a gather reads past
 it, never touch another row's blocks. Compaction swaps table rows: no key or value is copied.
+
+A read gathers a row's blocks into one tensor (the attention kernels take dense keys). Blocks are
+token-major so that the gather is one `index_select` of whole blocks and the result is already
+[rows, tokens, kv_heads, head_dim], which attention takes as a transposed view: measured on a Xeon
+(bf16, one thread, 8 rows x 400 tokens, SmolLM2's 3 x 64 heads) this is 0.23 ms a layer against 0.86 ms
+for head-major blocks gathered by advanced indexing and then reshaped (a second copy).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ class PagedKV(SlotKV):
         num_blocks: int,
         block_size: int,
     ) -> None:
-        shape = (num_blocks + 1, kv_heads, block_size, head_dim)
+        shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
@@ -65,18 +71,20 @@ class PagedKV(SlotKV):
         dev = start.device
         pos = (start[:, None] + torch.arange(num_new, device=dev)[None, :]).clamp_max(self.capacity - 1)
         blocks, offsets = self._locate(lo, pos)
-        heads = torch.arange(self.keys[0].shape[1], device=dev)[None, :, None]
-        return blocks[:, None, :], heads, offsets[:, None, :]
+        heads = torch.arange(self.keys[0].shape[2], device=dev)[None, :, None]
+        # Indexes (block, offset, head) broadcast to [R, kv_heads, T]: what `write` puts [R, kv_heads, T, D] at.
+        return blocks[:, None, :], offsets[:, None, :], heads
 
     def view(self, layer: int, lo: int, hi: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `kv_len` positions of slots lo..hi-1, gathered from their blocks (a copy):
-        [R, kv_heads, kv_len, head_dim] each."""
+        [R, kv_heads, kv_len, head_dim] each (a transposed view of the gathered tokens)."""
         table = self.tables[lo:hi, : math.ceil(kv_len / self.block_size)]
-        r, nb = table.shape
+        r = table.shape[0]
+        ids = table.flatten()
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
-            blocks = pool[table]  # [R, nb, kv_heads, block_size, head_dim]
-            return blocks.transpose(1, 2).reshape(r, pool.shape[1], nb * self.block_size, -1)[:, :, :kv_len]
+            tokens = pool.index_select(0, ids).view(r, -1, pool.shape[2], pool.shape[3])
+            return tokens[:, :kv_len].transpose(1, 2)
 
         return gather(self.keys[layer]), gather(self.values[layer])
 
@@ -94,14 +102,14 @@ class PagedKV(SlotKV):
 
     def row_kv(self, slot: int, begin: int, end: int) -> torch.Tensor:
         blocks, offsets = self._positions(slot, begin, end)
-        # pool[blocks, :, offsets] -> [n, kv_heads, head_dim]; the layout wants [kv_heads, n, head_dim].
+        # pool[blocks, offsets] -> [n, kv_heads, head_dim]; the layout wants [kv_heads, n, head_dim].
         return torch.stack(
-            [torch.stack([k[blocks, :, offsets].transpose(0, 1), v[blocks, :, offsets].transpose(0, 1)])
+            [torch.stack([k[blocks, offsets].transpose(0, 1), v[blocks, offsets].transpose(0, 1)])
              for k, v in self.layer_kv()]
         )  # fmt: skip
 
     def put_row_kv(self, slot: int, begin: int, kv: torch.Tensor) -> None:
         blocks, offsets = self._positions(slot, begin, begin + kv.shape[3])
         for layer, (k, v) in enumerate(self.layer_kv()):
-            k[blocks, :, offsets] = kv[layer, 0].transpose(0, 1).to(k.dtype)
-            v[blocks, :, offsets] = kv[layer, 1].transpose(0, 1).to(v.dtype)
+            k[blocks, offsets] = kv[layer, 0].transpose(0, 1).to(k.dtype)
+            v[blocks, offsets] = kv[layer, 1].transpose(0, 1).to(v.dtype)
