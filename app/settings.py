@@ -120,9 +120,15 @@ class Settings(BaseSettings):
         4096,
         ge=0,
         description="prompt tokens whose keys/values are kept for later prompts that begin alike "
-        "(the system prompt, the chat template's markers); 0: off",
+        "(the system prompt, the chat template's markers); 0: off. With DOMINO_KV_LAYOUT=paged any value "
+        "but 0 turns sharing on, and the kept blocks are the free part of DOMINO_KV_CACHE_MEMORY",
     )
-    prefix_block_size: int = Field(8, ge=1, description="granularity of the prefix cache, in tokens")
+    prefix_block_size: int = Field(
+        8,
+        ge=1,
+        description="granularity of the slot layout's prefix cache, in tokens (paged storage shares whole "
+        "KV blocks: DOMINO_KV_BLOCK_SIZE)",
+    )
     max_n: int = Field(16, ge=1, description="largest accepted `n` (choices per prompt)")
     max_stop: int = Field(16, ge=0, description="most stop strings / stop token ids per request")
 
@@ -180,6 +186,18 @@ class Settings(BaseSettings):
             self.replica_name = None
         if self.ray_address == "":
             self.ray_address = None
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_blocks(self) -> Settings:
+        # Paged storage shares prompt beginnings by whole KV blocks: one block size for both.
+        if self.kv_layout == "paged" and "prefix_block_size" in self.model_fields_set:
+            if self.prefix_block_size != self.kv_block_size:
+                raise ValueError(
+                    f"DOMINO_PREFIX_BLOCK_SIZE ({self.prefix_block_size}) is the slot layout's: with "
+                    f"DOMINO_KV_LAYOUT=paged prompts share whole KV blocks of DOMINO_KV_BLOCK_SIZE "
+                    f"({self.kv_block_size}) tokens; unset DOMINO_PREFIX_BLOCK_SIZE"
+                )
         return self
 
     @model_validator(mode="after")

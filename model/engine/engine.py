@@ -97,7 +97,9 @@ class Engine:
             prior=prior_curve_for(target.device, target.dtype),
         )
         self.rows: list[Row] = []  # row i lives in cache slot i
-        self.scheduler = Scheduler(cfg.max_batch_size, self.runner.blocks, self.runner.lookahead)
+        self.scheduler = Scheduler(
+            cfg.max_batch_size, self.runner.blocks, self.runner.lookahead, self.runner.share_prefixes
+        )
         self.num_preemptions = 0  # rows taken out of the batch for want of KV blocks, to be recomputed
         self.kv_bytes_read = 0  # keys/values its steps' attention read (model/nn/attention.py: KV_READS)
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))

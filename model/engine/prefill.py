@@ -13,8 +13,9 @@ import torch
 from model.engine.logits_processors import process_logits
 from model.engine.logprobs import prompt_logprobs, token_logprobs
 from model.engine.requests import TokenLogprob
-from model.engine.row import Row, draw_uniforms
+from model.engine.row import Row, cache_ids, draw_uniforms
 from model.engine.sampling import SamplingBatch, pick_tokens
+from model.kv.blocks import BlockTables
 from model.kv.draft_cache import DraftContextCache
 from model.kv.prefix_cache import PrefixCache
 from model.kv.target_cache import RaggedKVCache
@@ -68,10 +69,14 @@ class Prefiller:
         capture: bool,
         split_tokens: int,
         place: Callable[[list[Row], int], None],
+        shared_prefixes: BlockTables | None = None,
     ) -> None:
         self.target, self.cache = target, cache
         self.drafter, self.draft_cache = drafter, draft_cache
         self.prefix_cache = prefix_cache
+        # Paged storage: rows begin with the shared blocks admission found (Row.shared_tokens), and
+        # their own full prompt blocks are indexed for later rows once the prefill succeeded.
+        self.shared_prefixes = shared_prefixes
         self.taps, self.want_features, self.capture = taps, want_features, capture
         # What one more prefill forward costs, in padded prompt tokens (EngineConfig.prefill_split_tokens).
         self.split_tokens = split_tokens
@@ -87,16 +92,20 @@ class Prefiller:
         chosen, drawn, scored or captured for it again."""
         dev = self.device
         resumed = {id(r) for r in new if r.output_ids}
-        ids = {id(r): r.prompt_ids + r.output_ids[:-1] if id(r) in resumed else r.prompt_ids for r in new}
-        # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
-        hits = {
-            id(r): self.prefix_cache.lookup(ids[id(r)])
-            if self.prefix_cache and (r.params.prompt_logprobs is None or id(r) in resumed)
-            else []
-            for r in new
-        }
-        block = self.prefix_cache.block_size if self.prefix_cache else 0
-        cached = {id(r): len(hits[id(r)]) * block for r in new}
+        ids = {id(r): cache_ids(r) for r in new}
+        hits: dict[int, list[int]] = {}
+        if self.shared_prefixes is not None:
+            cached = {id(r): r.shared_tokens for r in new}
+        else:
+            # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
+            hits = {
+                id(r): self.prefix_cache.lookup(ids[id(r)])
+                if self.prefix_cache and (r.params.prompt_logprobs is None or id(r) in resumed)
+                else []
+                for r in new
+            }
+            block = self.prefix_cache.block_size if self.prefix_cache else 0
+            cached = {id(r): len(hits[id(r)]) * block for r in new}
         new = sorted(new, key=lambda r: len(ids[id(r)]) - cached[id(r)])
         self.place(new, lo)
         starts = [cached[id(r)] for r in new]
@@ -155,6 +164,9 @@ class Prefiller:
         if self.prefix_cache is not None:
             for i, row in enumerate(new):
                 self.prefix_cache.store(lo + i, ids[id(row)])
+        if self.shared_prefixes is not None:
+            for row in new:
+                self.shared_prefixes.index_prefix(row.request_id, ids[id(row)])
         captured: list[torch.Tensor | None] = [None] * len(new)
         if self.capture:
             for (a, b), feats in zip(groups, features):

@@ -33,6 +33,13 @@ class Row:
     ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
     processor: RowProcessor | None = None  # logits processors and their state (None: plain sampling)
     admitted: int = 0  # order of first admission (0: never admitted); the newest is preempted first
+    shared_tokens: int = 0  # positions 0.. its admission found in shared prefix blocks (paged storage)
+
+
+def cache_ids(row: Row) -> list[int]:
+    """The tokens a (re)prefill puts in the caches: the prompt, and for a preempted row its output
+    but the last token (the anchor, which the next step writes)."""
+    return row.prompt_ids + row.output_ids[:-1]
 
 
 def seed_generator(seed: int) -> np.random.Generator:

@@ -104,15 +104,18 @@ class ModelRunner:
         )
         self.blocks = BlockTables(BlockPool(num_blocks, cfg.kv_block_size))
         self.rows_at_max_len = num_blocks // per_row
-        # Prompt beginnings seen before (model/kv/prefix_cache.py); not when capturing training
-        # features, which need every prompt position's taps.
+        # Prompt beginnings seen before; not when capturing training features, which need every
+        # prompt position's taps. Paged storage shares their blocks by reference (the index in
+        # model/kv/blocks.py, inside the budget); slots copy them (model/kv/prefix_cache.py).
+        prefixes = cfg.prefix_cache_tokens > 0 and not self.capture
+        self.share_prefixes = prefixes and self.paged
         self.prefix_cache = (
             PrefixCache(
                 [self.cache] + ([self.draft_cache] if self.draft_cache is not None else []),
                 cfg.prefix_block_size,
                 cfg.prefix_cache_tokens,
             )
-            if cfg.prefix_cache_tokens > 0 and not self.capture
+            if prefixes and not self.paged
             else None
         )
         # What one more prefill forward costs, in padded prompt tokens: on a CPU a forward's fixed
@@ -123,7 +126,7 @@ class ModelRunner:
             split_tokens = 512 if self.device.type == "cuda" else 32
         self.prefiller = Prefiller(
             target, self.cache, drafter, self.draft_cache, self.prefix_cache, self.taps, self.want_features,
-            self.capture, split_tokens, self.place,
+            self.capture, split_tokens, self.place, self.blocks if self.share_prefixes else None,
         )  # fmt: skip
         self.drafter_proposer = (
             DrafterProposer(drafter, self.draft_cache, num_drafts, use_head, self.device)

@@ -9,7 +9,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from model.engine.row import Row
+from model.engine.row import Row, cache_ids
 from model.kv.blocks import BlockTables
 
 
@@ -20,11 +20,13 @@ def cached_tokens(row: Row) -> int:
 
 
 class Scheduler:
-    def __init__(self, max_running: int, blocks: BlockTables, lookahead: int) -> None:
-        """`lookahead`: positions a decode step may write past a row's cached tokens."""
+    def __init__(self, max_running: int, blocks: BlockTables, lookahead: int, share_prefixes: bool = False) -> None:
+        """`lookahead`: positions a decode step may write past a row's cached tokens.
+        `share_prefixes`: a new row begins with the indexed prompt blocks its tokens begin with."""
         self.max_running = max_running
         self.blocks = blocks
         self.lookahead = lookahead
+        self.share_prefixes = share_prefixes
         self.waiting: deque[Row] = deque()
         self._admissions = itertools.count(1)
 
@@ -56,7 +58,12 @@ class Scheduler:
         admitted: list[Row] = []
         while self.waiting and len(running) + len(admitted) < self.max_running:
             row = self.waiting[0]
+            # A prompt scored for its logprobs is forwarded whole: shared positions have no logits.
+            share = self.share_prefixes and (row.params.prompt_logprobs is None or bool(row.output_ids))
+            row.shared_tokens = self.blocks.share_prefix(row.request_id, cache_ids(row)) if share else 0
             if not self.blocks.reserve(row.request_id, self._needs(row), keep_free=keep):
+                self.blocks.free(row.request_id)  # the shared blocks too
+                row.shared_tokens = 0
                 break
             row.admitted = row.admitted or next(self._admissions)
             admitted.append(self.waiting.popleft())

@@ -1,18 +1,26 @@
-"""KV memory by blocks: a fixed number of fixed-size blocks shared by every row, reference-counted
-(prefix sharing will hold one block in several rows), and each row's block table on the host.
+"""KV memory by blocks: a fixed number of fixed-size blocks shared by every row, reference-counted,
+each row's block table on the host, and (paged storage) an index of full prompt blocks by content, so
+that prompts beginning alike share those blocks by reference.
 
 The budget (`DOMINO_KV_CACHE_MEMORY`) becomes a number of blocks once, at start-up, from the bytes
 one token takes in the target's and the drafter's caches together. Admission reserves a row's
-blocks (model/engine/scheduler.py); a row leaving gives them back. On today's slot storage this is
-the accounting only: the physical caches are still one slot of `max_model_len` per row
-(model/kv/slots.py) until the paged-storage step makes the blocks the storage.
+blocks (model/engine/scheduler.py); a row leaving gives them back. With the slot layout this is the
+accounting only (the physical caches are one slot of `max_model_len` per row, model/kv/slots.py);
+with paged storage the blocks are the storage (model/kv/paged.py).
+
+The prefix index (as vLLM's block pool does) keeps a freed block's content for as long as nobody needs
+the block: free blocks wait in least-recently-used order, a prompt that begins with an indexed block
+takes it back out of the free queue, and allocating a block that still holds indexed content drops
+it from the index. So the index costs no memory of its own: it is the free part of the budget.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -55,8 +63,31 @@ def kv_budget(setting: int | float | None, device: torch.device) -> int:
     return setting
 
 
+def prompt_blocks(token_ids: list[int], block_size: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(key, tokens) of every full block of a prompt that leaves at least one token to forward (the
+    last token's logits are needed, and a row never writes into a block it may share). A block's key
+    is a chain hash of every token up to its end."""
+    out, key = [], None
+    for end in range(block_size, len(token_ids), block_size):
+        tokens = tuple(token_ids[end - block_size : end])
+        key = hash((key, tokens))
+        out.append((key, tokens))
+    return out
+
+
+@dataclass(frozen=True)
+class IndexedBlock:
+    """What an indexed block holds: its key, its own tokens and its parent's key (a lookup checks
+    both, so a hash collision never reuses another prompt's keys and values)."""
+
+    key: int
+    tokens: tuple[int, ...]
+    parent: int | None
+
+
 class BlockPool:
-    """`num_blocks` blocks of `block_size` tokens: a free queue and a reference count per block."""
+    """`num_blocks` blocks of `block_size` tokens: a free queue in least-recently-used order, a
+    reference count per block, and the index of full prompt blocks by content."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if block_size < 1 or block_size & (block_size - 1):
@@ -64,7 +95,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order: evicted first
+        self.indexed: dict[int, IndexedBlock] = {}  # block id -> its content
+        self.by_key: dict[int, int] = {}  # key -> block id
 
     @property
     def num_free(self) -> int:
@@ -86,9 +119,12 @@ class BlockPool:
         """n free blocks, each now referenced once; None (and nothing taken) when fewer are free."""
         if n > len(self.free):
             return None
-        blocks = [self.free.popleft() for _ in range(n)]
+        blocks = list(itertools.islice(self.free, n))
         for b in blocks:
+            del self.free[b]
             self.ref_counts[b] = 1
+            if b in self.indexed:  # its old content is about to be overwritten
+                del self.by_key[self.indexed.pop(b).key]
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -98,14 +134,50 @@ class BlockPool:
                 raise ValueError(f"block {b} is free: only blocks in use can be shared")
             self.ref_counts[b] += 1
 
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; a block nobody references is free again."""
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block; a block nobody references is free again (last in the
+        eviction order, its indexed content kept until the block is allocated again)."""
         for b in blocks:
             if self.ref_counts[b] < 1:
                 raise ValueError(f"block {b} is already free")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free.append(b)
+                self.free[b] = None
+
+    # -- the prefix index ---------------------------------------------------------------------------
+
+    def lookup(self, token_ids: list[int]) -> list[int]:
+        """The indexed blocks the prompt begins with, each now referenced once more (taken out of
+        the free queue where nobody held it)."""
+        found: list[int] = []
+        parent = None
+        for key, tokens in prompt_blocks(token_ids, self.block_size):
+            b = self.by_key.get(key)
+            if b is None or self.indexed[b] != IndexedBlock(key, tokens, parent):
+                break
+            found.append(b)
+            parent = key
+        for b in found:
+            self.free.pop(b, None)
+            self.ref_counts[b] += 1
+        return found
+
+    def index(self, token_ids: list[int], table: list[int]) -> None:
+        """A row's prompt `token_ids` is in its blocks `table`: index its full blocks by content
+        (where no block holds that content yet)."""
+        parent = None
+        for (key, tokens), b in zip(prompt_blocks(token_ids, self.block_size), table):
+            held = self.by_key.get(key)
+            if held is None and b not in self.indexed:
+                self.by_key[key] = b
+                self.indexed[b] = IndexedBlock(key, tokens, parent)
+            elif held is not None and self.indexed[held] != IndexedBlock(key, tokens, parent):
+                return  # a hash collision: leave the indexed chain alone
+            parent = key
+
+    @property
+    def num_indexed(self) -> int:
+        return len(self.indexed)
 
 
 class BlockTables:
@@ -139,6 +211,21 @@ class BlockTables:
         self.tables[request_id] = self.tables.get(request_id, []) + blocks
         return True
 
+    def share_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Begin a new row's table with the indexed blocks its tokens begin with; returns how many
+        tokens they hold (none are copied: the row attends over the shared blocks)."""
+        if request_id in self.tables:
+            raise ValueError(f"request {request_id!r} holds blocks already")
+        shared = self.pool.lookup(token_ids)
+        if shared:
+            self.tables[request_id] = shared
+        return len(shared) * self.pool.block_size
+
+    def index_prefix(self, request_id: str, token_ids: list[int]) -> None:
+        """The row's caches now hold `token_ids` from position 0: index its full blocks."""
+        self.pool.index(token_ids, self.tables.get(request_id, []))
+
     def free(self, request_id: str) -> None:
-        """The row left: its blocks go back to the pool (shared ones once nobody else holds them)."""
-        self.pool.release(self.tables.pop(request_id, []))
+        """The row left: its blocks go back to the pool (shared ones once nobody else holds them),
+        last block first, so that a prompt's first blocks, the likeliest shared, are evicted last."""
+        self.pool.release(reversed(self.tables.pop(request_id, [])))

@@ -668,9 +668,17 @@ def test_oversized_bodies_get_413(server: ServerProcess) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_prompts_beginning_alike_reuse_the_prefix_cache(server: ServerProcess, tok: Any, greedy_reference: Any) -> None:
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_prompts_beginning_alike_reuse_the_prefix_cache(
+    layout: str, request: pytest.FixtureRequest, greedy_reference: Any
+) -> None:
     """A second prompt with the first's 20-token beginning copies 16 of them (two 8-token blocks, the
-    default granularity); usage and /metrics say so, and the output is still the target's alone."""
+    default granularity; on paged storage it shares two 8-token KV blocks); usage and /metrics say
+    so, and the output is still the target's alone."""
+    if layout == "slots":
+        server: ServerProcess = request.getfixturevalue("server")
+    else:
+        server = request.getfixturevalue("server_factory")(max_batch_size=4, kv_layout="paged", kv_block_size=8)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     g = random.Random(5)
     system = [g.randrange(100, 500) for _ in range(20)]

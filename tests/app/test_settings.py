@@ -43,6 +43,14 @@ def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
     assert engine_config(Settings()).kv_cache_memory is None
 
 
+def test_paged_prefixes_share_kv_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOMINO_KV_LAYOUT", "paged")
+    monkeypatch.setenv("DOMINO_PREFIX_BLOCK_SIZE", "16")  # the same as the KV block: nothing to refuse
+    assert engine_config(Settings()).prefix_block_size == 16
+    monkeypatch.delenv("DOMINO_PREFIX_BLOCK_SIZE")
+    assert Settings().prefix_block_size == 8  # unset: the slot layout's default, unused on paged
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -51,6 +59,7 @@ def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
         ({"DOMINO_KV_CACHE_MEMORY": "1.5"}, "DOMINO_KV_CACHE_MEMORY"),
         ({"DOMINO_BLOCK_SIZE": "4"}, "DOMINO_MAX_DRAFTS"),
         ({"DOMINO_KV_LAYOUT": "pages"}, "kv_layout"),
+        ({"DOMINO_KV_LAYOUT": "paged", "DOMINO_PREFIX_BLOCK_SIZE": "8"}, "DOMINO_KV_BLOCK_SIZE (16)"),
     ],
 )
 def test_bad_kv_settings_stop_the_server_at_start_naming_the_setting(env: dict[str, str], message: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.engine.engine import Engine, SamplingParams
-from model.kv.blocks import BlockPool, BlockTables, kv_budget, memory_there_is
+from model.kv.blocks import BlockPool, BlockTables, IndexedBlock, kv_budget, memory_there_is
 from model.kv.sizes import parse_memory
 from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
@@ -43,6 +43,38 @@ def test_tables_grow_by_whole_blocks_and_give_them_back() -> None:
     tables.free("a")
     tables.free("a")  # a row leaving twice (an error, then its removal) frees once
     assert tables.pool.num_free == 2 and tables.reserve("c", 8)
+
+
+def test_freed_prompt_blocks_stay_indexed_until_allocated_least_recently_used_first() -> None:
+    tables = BlockTables(BlockPool(6, 4))
+    prompt = list(range(10, 23))  # 13 tokens: 3 full blocks leave the last token to forward
+    assert tables.share_prefix("a", prompt) == 0 and tables.reserve("a", 16)
+    tables.index_prefix("a", prompt)
+    a = tables.table("a")
+    assert tables.pool.num_indexed == 3  # the 4th block holds the last prompt token: never shared
+    assert tables.share_prefix("b", prompt[:9] + [99, 98]) == 8  # two blocks, by reference
+    assert tables.table("b") == a[:2] and tables.pool.ref_counts[a[0]] == 2
+    tables.free("a")
+    tables.free("b")
+    assert tables.pool.num_free == 6 and tables.pool.num_indexed == 3  # free, and still indexed
+    assert tables.share_prefix("c", prompt + [7]) == 12 and tables.table("c") == a[:3]
+    tables.free("c")
+    # Allocating takes never-used blocks first, then the prompt's last blocks before its first.
+    assert tables.reserve("d", 12) and tables.pool.num_indexed == 3
+    assert tables.reserve("e", 4) and tables.pool.num_indexed == 2 and tables.table("e") == [a[2]]
+    assert tables.share_prefix("f", prompt) == 8
+
+
+def test_an_indexed_key_whose_tokens_differ_is_never_shared() -> None:
+    """A hash collision: the key matches, the tokens do not."""
+    pool = BlockPool(4, 4)
+    prompt = [1, 2, 3, 4, 5]
+    table = pool.allocate(2)
+    assert table is not None
+    pool.index(prompt, table)
+    (block,) = pool.indexed
+    pool.indexed[block] = IndexedBlock(pool.indexed[block].key, (9, 9, 9, 9), None)
+    assert pool.lookup(prompt) == []
 
 
 @pytest.mark.parametrize(

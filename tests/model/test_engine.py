@@ -534,8 +534,11 @@ def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str, layout
     # Prompt 2 is the 21 shared tokens plus one: all 5 shared blocks. Rows admitted together
     # (2 and 3, then 4 and 5) find what earlier admissions stored.
     assert cached == [0, 20, 20, 20, 20, 8]
-    assert engine.prefix_cache.hit_tokens == sum(cached)
-    assert engine.prefix_cache.num_tokens <= 256
+    if layout == "slots":
+        assert engine.prefix_cache.hit_tokens == sum(cached)
+        assert engine.prefix_cache.num_tokens <= 256
+    else:  # shared blocks, indexed in the pool: nothing copies
+        assert engine.prefix_cache is None and engine.kv_blocks.num_indexed >= 5
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -550,12 +553,40 @@ def test_prefix_cache_fills_both_caches_as_a_full_prefill_does(layout: str) -> N
         engine.step()  # the prefill
         engines.append(engine)
     reused, computed = engines
-    assert reused.rows[0].stats.cached_prompt_tokens == 20 and computed.prefix_cache is None
+    assert reused.rows[0].stats.cached_prompt_tokens == 20 and computed.rows[0].stats.cached_prompt_tokens == 0
     n = len(second)
     for cache in ("cache", "draft_cache"):
         a, b = getattr(reused, cache), getattr(computed, cache)
         assert a.host_lengths[0] == b.host_lengths[0] == int(a.lengths[0]) == n
         torch.testing.assert_close(a.row_kv(0, 0, n), b.row_kv(0, 0, n), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_prefixes_are_shared_blocks_never_written() -> None:
+    """On paged storage a prompt that begins like a running one takes that row's blocks by
+    reference (the same block ids, one more reference each, no copy), and neither row ever writes
+    into them: their contents are unchanged after both rows decoded, and both answers are exact."""
+    model = tiny_target()
+    first, second = _shared_beginning_prompts()[:2]
+    engine = _engine(model, "domino", 2, "paged", prefix_cache_tokens=256)  # blocks of 4
+    pool = engine.kv_blocks
+    engine.add_request("a", first, SamplingParams(max_new_tokens=12))
+    engine.step()
+    engine.add_request("b", second, SamplingParams(max_new_tokens=12))
+    engine.step()
+    tables = engine.runner.blocks
+    shared = tables.table("a")[:5]  # 20 of the 21 shared tokens
+    assert tables.table("b")[:5] == shared and tables.table("b")[5] not in tables.table("a")
+    assert [pool.ref_counts[b] for b in shared] == [2] * 5 and engine.prefix_cache is None
+    caches = [engine.runner.cache, engine.runner.draft_cache]
+    before = [torch.stack([k[shared] for k, _ in c.layer_kv()] + [v[shared] for _, v in c.layer_kv()]) for c in caches]
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    after = [torch.stack([k[shared] for k, _ in c.layer_kv()] + [v[shared] for _, v in c.layer_kv()]) for c in caches]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    assert tokens == {"a": _hf_greedy(model, first, 12)[1:], "b": _hf_greedy(model, second, 12)[1:]}
+    assert pool.num_used == 0 and pool.num_indexed >= 5  # freed, but still indexed for the next prompt
 
 
 def test_prefix_cache_evicts_to_its_budget_and_checks_tokens_not_just_hashes() -> None:
