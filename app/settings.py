@@ -113,8 +113,8 @@ class Settings(BaseSettings):
     kv_layout: Literal["slots", "paged"] = Field(
         "slots",
         description="KV storage: slots (one of max_model_len per running row, allocated at start) or paged "
-        "(pools of KV blocks holding DOMINO_KV_CACHE_MEMORY; attention reads each row's own blocks). "
-        "paged needs DOMINO_STATIC_SHAPES=off for now",
+        "(pools of KV blocks holding DOMINO_KV_CACHE_MEMORY; attention reads each row's own blocks; "
+        "static-shape steps attend over the smallest of a few spans that holds the longest row)",
     )
     prefix_cache_tokens: int = Field(
         4096,

@@ -154,12 +154,12 @@ def _timed_fn(fn: Callable[..., Any], probe: Probe) -> Callable[..., Any]:
     return run
 
 
-def _timed_run(run: Callable[[torch.Tensor], Any], probe: Probe, kind: str) -> Callable[[torch.Tensor], Any]:
-    def wrapped(x: torch.Tensor) -> Any:
+def _timed_run(run: Callable[[torch.Tensor, int], Any], probe: Probe, kind: str) -> Callable[[torch.Tensor, int], Any]:
+    def wrapped(x: torch.Tensor, positions: int) -> Any:
         if probe.timing:
             common.synchronize(probe.device)
         t0 = time.perf_counter()
-        out = run(x)
+        out = run(x, positions)
         if probe.timing:
             probe.run_s += time.perf_counter() - t0  # the captured part synchronized at its end
         if kind == "verify":

@@ -44,7 +44,7 @@ def bucket_report(engine: Engine) -> dict[str, Any] | None:
     if engine.static is None or engine.static.report is None:
         return None
     rep = engine.static.report
-    replayed = sorted(f"{rb}x{t}" for (rb, t), f in engine.static.verify.items() if f.calls)
+    replayed = sorted(f"{rb}x{t}@{c}" for (rb, t, c), f in engine.static.verify.items() if f.calls)
     fell_back = engine.static.use_graphs and rep.eager > 0
     return {"graphs": rep.graphs, "eager": rep.eager, "fell_back": fell_back, "verify_replayed": replayed}
 

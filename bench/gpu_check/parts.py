@@ -225,7 +225,8 @@ def part_timings(check: Check) -> None:
             for rb in batches:
                 for t in widths:
                     tokens = torch.randint(0, target.vocab_size, (rb, t), device=device, generator=gen)
-                    fn = StaticFunction(f"verify[{rb}x{t}]", engine.runner.static_verify, (tokens,), graphs)
+                    verify = partial(engine.runner.static_verify, span=engine.cache.capacity)
+                    fn = StaticFunction(f"verify[{rb}x{t}]", verify, (tokens,), graphs)
                     variant = "graph" if fn.graph is not None else "static"
                     check.record("verify", batch=rb, T=t, variant=variant, **base,
                                  **time_calls(partial(fn, tokens), device, sz["repeats"]))  # fmt: skip
@@ -250,7 +251,8 @@ def time_proposals(check: Check, engine: Engine, rb: int, graphs: bool, base: di
     ms = {}
     for head in (False, True):
         proposer.use_head = head  # read while capturing: each graph keeps its own setting
-        fn = StaticFunction(f"propose[{rb}]", proposer.static_block, (anchors,), graphs)
+        propose = partial(proposer.static_block, span=proposer.cache.capacity)
+        fn = StaticFunction(f"propose[{rb}]", propose, (anchors,), graphs)
         rec = check.record("propose", batch=rb, head=head, variant="graph" if fn.graph is not None else "static",
                            **base, **time_calls(lambda fn=fn: fn(anchors), device, repeats))  # fmt: skip
         ms[head] = rec["median_ms"]
@@ -271,8 +273,9 @@ def bare_step_ms(engine: Engine, batch: int, repeats: int) -> float | None:
         return None  # on the CPU "bare" would be eager wall time: no GPU/host split to make
     rb = bucket_for(batch, engine.static.batch_sizes)
     assert rb is not None
-    verify = engine.static.verify[(rb, max(engine.static.verify_widths))]
-    propose = engine.static.propose.get(rb)
+    span = max(engine.static.spans)
+    verify = engine.static.verify[(rb, max(engine.static.verify_widths), span)]
+    propose = engine.static.propose.get((rb, span))
 
     def step() -> None:
         if propose is not None:

@@ -36,6 +36,9 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     kv_block_size: int = 16  # tokens per KV block, a power of two
     kv_layout: str = "slots"  # slots: one slot of max_model_len per row; paged: pools of KV blocks
+    # Paged static steps attend over the capacity, or a quarter of it, a sixteenth, ... down to no
+    # less than this many positions (model/engine/static.py: span_buckets).
+    static_min_span: int = 512
 
     def check(self) -> None:
         """ValueError naming the field, for values no engine can run with."""
@@ -43,7 +46,7 @@ class EngineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
-        for name in ("max_batch_size", "max_model_len", "prefix_block_size"):
+        for name in ("max_batch_size", "max_model_len", "prefix_block_size", "static_min_span"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_drafts is not None and self.max_drafts < 1:

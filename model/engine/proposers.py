@@ -91,13 +91,14 @@ class DrafterProposer:
         self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> Proposal:
         if self.static is not None and lo == 0 and sampling.all_greedy and num_slots == self.num_drafts:
-            drafted = self.static.run_propose(anchors)
+            longest = max(self.cache.host_lengths[: anchors.shape[0]])
+            drafted = self.static.run_propose(anchors, longest + self.drafter.config.block_size)
             if drafted is not None:
                 return Proposal(drafted[0], drafted[1], None, drafted[2])
         return Proposal.of_draft(self.draft_block(lo, anchors, sampling, num_slots))
 
     def draft_block(
-        self, lo: int, anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int, static: bool = False
+        self, lo: int, anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int, span: int | None = None
     ) -> DraftResult:
         """The drafter over `[anchor, MASK, ...]` blocks for slots lo.., then its draft choice."""
         block = torch.full(
@@ -106,13 +107,14 @@ class DrafterProposer:
         block[:, 0] = anchors
         # Hidden states up to the last slot drafted.
         needed = self.drafter.config.first_draft_position + num_slots
-        hidden = self.drafter.forward_block(self.cache, lo, block, static=static, num_outputs=needed)
+        hidden = self.drafter.forward_block(self.cache, lo, block, span=span, num_outputs=needed)
         return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
 
-    def static_block(self, anchors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Greedy drafts of a full block for slots 0..R-1 with fixed shapes (the static bucket's body)."""
+    def static_block(self, anchors: torch.Tensor, span: int) -> tuple[torch.Tensor, ...]:
+        """Greedy drafts of a full block for slots 0..R-1 with fixed shapes, attending over `span`
+        positions (the static bucket's body)."""
         greedy = SamplingBatch.all_greedy_rows(anchors.shape[0], anchors.device)
-        draft = self.draft_block(0, anchors, greedy, self.num_drafts, static=True)
+        draft = self.draft_block(0, anchors, greedy, self.num_drafts, span=span)
         return draft.tokens, draft.token_probs, draft.confidence
 
 

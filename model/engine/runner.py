@@ -13,7 +13,7 @@ from model.engine.config import EngineConfig
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer
 from model.engine.row import Row
-from model.engine.static import StaticSteps, batch_buckets, verify_widths
+from model.engine.static import StaticSteps, batch_buckets, span_buckets, verify_widths
 from model.kv.blocks import BlockPool, BlockTables, kv_budget, kv_bytes_per_token
 from model.kv.paged import PagedKV
 from model.kv.prefix_cache import PrefixCache
@@ -90,11 +90,6 @@ class ModelRunner:
             )
         # The storage: a slot of `capacity` per row, or (kv_layout "paged") pools of those blocks.
         self.paged = cfg.kv_layout == "paged"
-        if self.paged and static_shapes:
-            raise ValueError(
-                "kv_layout 'paged' (DOMINO_KV_LAYOUT) does not run with static shapes yet (DOMINO_STATIC_SHAPES, on "
-                "for CUDA by default): set DOMINO_STATIC_SHAPES=off, or DOMINO_KV_LAYOUT=slots"
-            )
         paging = (num_blocks, cfg.kv_block_size) if self.paged else None
         self.cache = target.new_cache(slots, capacity, paging)
         self.draft_cache = (
@@ -135,28 +130,32 @@ class ModelRunner:
         )
         self.static: StaticSteps | None = None
         if static_shapes:
-            self.static = self._build_static_steps(cfg.max_batch_size, max_drafts_per_step, cfg.cuda_graphs)
+            spans = span_buckets(capacity, cfg.static_min_span if self.paged else None)
+            self.static = self._build_static_steps(cfg.max_batch_size, max_drafts_per_step, spans, cfg.cuda_graphs)
             if self.drafter_proposer is not None:
                 self.drafter_proposer.static = self.static
 
     @torch.inference_mode()
-    def _build_static_steps(self, max_batch_size: int, max_drafts: int, cuda_graphs: bool) -> StaticSteps:
-        """Verify per (batch, T) bucket and the greedy proposal per batch bucket, built (and on CUDA
-        captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
+    def _build_static_steps(
+        self, max_batch_size: int, max_drafts: int, spans: list[int], cuda_graphs: bool
+    ) -> StaticSteps:
+        """Verify per (batch, T, span) bucket and the greedy proposal per (batch, span), built (and on
+        CUDA captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
         steps = StaticSteps(
             self.static_verify,
             self.drafter_proposer.static_block if self.drafter_proposer is not None else None,
             max_batch_size,
             verify_widths(max_drafts),
+            spans,
             self.device,
             cuda_graphs,
         )
         steps.warm_up()
         return steps
 
-    def static_verify(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def static_verify(self, tokens: torch.Tensor, span: int) -> tuple[torch.Tensor, ...]:
         """The body of a static verify bucket: slots 0..R-1, fixed shapes, nothing read back."""
-        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, static=True, taps=self.taps)
+        out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, span=span, taps=self.taps)
         return (out.logits,) if out.features is None else (out.logits, out.features)
 
     @property
@@ -170,7 +169,7 @@ class ModelRunner:
         """The target over [anchor, drafts] per row: a static-shape bucket when one holds the batch
         (the outputs are that bucket's buffers, valid until its next replay), else the dynamic path."""
         if self.static is not None and lo == 0:
-            out = self.static.run_verify(tokens)
+            out = self.static.run_verify(tokens, max(self.cache.host_lengths[: tokens.shape[0]]))
             if out is not None:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
         return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
@@ -204,14 +203,19 @@ class ModelRunner:
 
     def place(self, rows: Sequence[Row], lo: int = 0) -> None:
         """Rows now in slots lo..: with paged storage each slot's block table becomes its row's
-        (copied only where it changed); with slots, nothing to do."""
-        if not self.paged:
-            return
-        for i, row in enumerate(rows):
-            table = self.blocks.table(row.request_id)
-            for cache in (self.cache, self.draft_cache):
-                if isinstance(cache, PagedKV):
-                    cache.set_table(lo + i, table)
+        (copied only where it changed). With lo 0 (before a decode step: every running row) the
+        slots past them are vacated, so that a static step's padding rows never write where a row
+        that left, or a block it gave back, was."""
+        caches = [c for c in (self.cache, self.draft_cache) if c is not None]
+        if self.paged:
+            for i, row in enumerate(rows):
+                table = self.blocks.table(row.request_id)
+                for cache in caches:
+                    if isinstance(cache, PagedKV):
+                        cache.set_table(lo + i, table)
+        if lo == 0:
+            for cache in caches:
+                cache.vacate(len(rows))
 
     def move_row(self, src: int, dst: int) -> None:
         """Row `src` now lives in slot `dst` (one row copy per cache)."""

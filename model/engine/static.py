@@ -1,4 +1,4 @@
-"""Static-shape steps for accelerators: fixed (batch, tokens) buckets, persistent input buffers and,
+"""Static-shape steps for accelerators: fixed (batch, tokens, span) buckets, persistent input buffers and,
 on CUDA, one captured graph per bucket (docs/design.md §3, "Static shapes and CUDA graphs").
 
 On a GPU an eager verify forward costs ~10x its memory-bandwidth floor at batch 1: the time goes
@@ -8,9 +8,13 @@ CUDA graph launches them all at once. A graph replays fixed shapes on fixed buff
 - verify runs T in {1, 2, 3, 5, 9, ..., W + 1} (W: the most drafts a row may verify) and batches
   padded to 1, 2, 4, 8, ... rows; padding tokens and padding rows are computed and never counted
   (at batch 16 a forward over 17 tokens per row is no longer free, so short drafts get short T);
-- attention spans the cache's whole capacity (`static=True` forwards: no read of the row lengths
-  back to the host, which a graph cannot contain); row lengths live in the caches' device tensors,
-  which the graphs read at replay, so they are written in place and never copied in;
+- attention spans a fixed number of positions (`span=` forwards: no read of the row lengths back to
+  the host, which a graph cannot contain): with slots the whole capacity; with paged storage the
+  smallest of a few spans (growing 4x up to the capacity) that holds the longest live row and the
+  step's tokens, chosen on the host from the lengths' host mirror. Row lengths and block tables live
+  in the caches' device tensors, which the graphs read at replay, so they are written in place and
+  never copied in; slots past the live rows (the padding rows) hold length 0 and, paged, only the
+  trash block, so a padding row never writes into a live row's blocks;
 - inputs are copied into each bucket's persistent buffers and outputs are that bucket's own
   buffers, valid until its next replay (each graph has a private memory pool, so no other graph's
   replay overwrites them).
@@ -21,6 +25,8 @@ dynamic path); the CPU default stays dynamic because there padding costs real ti
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -51,6 +57,16 @@ def verify_widths(max_drafts: int) -> list[int]:
         widths.add(t)
         t = 2 * t - 1  # 2, 3, 5, 9, 17: one more than a power of two drafts
     return sorted(widths)
+
+
+def span_buckets(capacity: int, smallest: int | None) -> list[int]:
+    """The spans static steps attend over: the capacity alone (`smallest` None: slots, which hold
+    a row's keys at fixed addresses anyway), or the capacity divided by 4, 16, ... down to no less
+    than `smallest` (paged: a step reads about what its longest row needs, at most 4x)."""
+    spans = [capacity]
+    while smallest is not None and spans[0] // 4 >= smallest:
+        spans.insert(0, spans[0] // 4)
+    return spans
 
 
 def bucket_for(n: int, buckets: list[int]) -> int | None:
@@ -122,42 +138,46 @@ class WarmupReport:
 
 
 class StaticSteps:
-    """The engine's static-shape functions, one per bucket: target verify per (batch, T) and the
-    drafter's greedy proposal (backbone + head loop, every slot) per batch.
+    """The engine's static-shape functions, one per bucket: target verify per (batch, T, span) and
+    the drafter's greedy proposal (backbone + head loop, every slot) per (batch, span).
 
-    `verify_fn(tokens [Rb, T]) -> (logits, features...)` and `propose_fn(anchors [Rb]) ->
-    (tokens, token_probs, confidence)` run rows 0..Rb-1 of the engine's caches.
+    `verify_fn(tokens [Rb, T], span) -> (logits, features...)` and `propose_fn(anchors [Rb], span)
+    -> (tokens, token_probs, confidence)` run rows 0..Rb-1 of the engine's caches.
     """
 
     def __init__(
         self,
-        verify_fn: Callable[[torch.Tensor], Tensors],
-        propose_fn: Callable[[torch.Tensor], Tensors] | None,
+        verify_fn: Callable[[torch.Tensor, int], Tensors],
+        propose_fn: Callable[[torch.Tensor, int], Tensors] | None,
         max_batch_size: int,
         verify_widths: list[int],
+        spans: list[int],
         device: torch.device,
         graphs: bool,
     ) -> None:
         self.batch_sizes = batch_buckets(max_batch_size)
         self.verify_widths = sorted(set(verify_widths))
+        self.spans = sorted(set(spans))
         self.device = device
         self.use_graphs = graphs and device.type == "cuda"
         self._verify_fn, self._propose_fn = verify_fn, propose_fn
-        self.verify: dict[tuple[int, int], StaticFunction] = {}
-        self.propose: dict[int, StaticFunction] = {}
+        self.verify: dict[tuple[int, int, int], StaticFunction] = {}
+        self.propose: dict[tuple[int, int], StaticFunction] = {}
         self.report: WarmupReport | None = None
 
     def warm_up(self) -> WarmupReport:
         """Build (and on CUDA capture) every bucket now, at start-up, not under the first requests."""
         t0 = time.perf_counter()
         mem0 = torch.cuda.memory_reserved(self.device) if self.use_graphs else 0
-        for rb in self.batch_sizes:
+        for rb, c in itertools.product(self.batch_sizes, self.spans):
             for t in self.verify_widths:
                 tokens = torch.zeros(rb, t, dtype=torch.long, device=self.device)
-                self.verify[(rb, t)] = StaticFunction(f"verify[{rb}x{t}]", self._verify_fn, (tokens,), self.use_graphs)
+                fn = functools.partial(self._verify_fn, span=c)
+                self.verify[(rb, t, c)] = StaticFunction(f"verify[{rb}x{t}@{c}]", fn, (tokens,), self.use_graphs)
             if self._propose_fn is not None:
                 anchors = torch.zeros(rb, dtype=torch.long, device=self.device)
-                self.propose[rb] = StaticFunction(f"propose[{rb}]", self._propose_fn, (anchors,), self.use_graphs)
+                fn = functools.partial(self._propose_fn, span=c)
+                self.propose[(rb, c)] = StaticFunction(f"propose[{rb}@{c}]", fn, (anchors,), self.use_graphs)
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
         functions = list(self.verify.values()) + list(self.propose.values())
@@ -174,24 +194,35 @@ class StaticSteps:
         )
         return self.report
 
-    def run_verify(self, tokens: torch.Tensor) -> Tensors | None:
-        """Verify tokens [R, k] padded into its bucket; outputs cut back to [R, k, ...]. None when
-        no bucket holds it (the caller runs the dynamic path)."""
+    def span_for(self, positions: int) -> int:
+        """The smallest span holding `positions` (the longest live row plus what the step writes);
+        the largest span, the capacity, where none does (writes past it are clamped, never counted)."""
+        return bucket_for(positions, self.spans) or self.spans[-1]
+
+    def run_verify(self, tokens: torch.Tensor, longest: int) -> Tensors | None:
+        """Verify tokens [R, k] padded into its bucket, rows up to `longest` positions long before
+        it; outputs cut back to [R, k, ...]. None when no bucket holds it (the caller runs the
+        dynamic path)."""
         r, k = tokens.shape
         rb = bucket_for(r, self.batch_sizes)
         t = bucket_for(k, self.verify_widths)
-        if rb is None or t is None or (rb, t) not in self.verify:
+        if rb is None or t is None:
+            return None
+        fn = self.verify.get((rb, t, self.span_for(longest + t)))
+        if fn is None:
             return None
         padded = torch.zeros(rb, t, dtype=tokens.dtype, device=tokens.device)
         padded[:r, :k] = tokens
-        return tuple(x[:r, :k] for x in self.verify[(rb, t)](padded))
+        return tuple(x[:r, :k] for x in fn(padded))
 
-    def run_propose(self, anchors: torch.Tensor) -> Tensors | None:
-        """Greedy drafts of a full block for rows 0..R-1 (padded into a bucket), or None."""
+    def run_propose(self, anchors: torch.Tensor, positions: int) -> Tensors | None:
+        """Greedy drafts of a full block for rows 0..R-1 (padded into a bucket) whose context and
+        block take up to `positions` positions, or None."""
         r = anchors.shape[0]
         rb = bucket_for(r, self.batch_sizes)
-        if rb is None or rb not in self.propose:
+        fn = self.propose.get((rb, self.span_for(positions))) if rb is not None else None
+        if fn is None:
             return None
         padded = torch.zeros(rb, dtype=anchors.dtype, device=anchors.device)
         padded[:r] = anchors
-        return tuple(x[:r] for x in self.propose[rb](padded))
+        return tuple(x[:r] for x in fn(padded))

@@ -62,6 +62,14 @@ class PagedKV(SlotKV):
         self.tables[slot] = torch.tensor(row, dtype=torch.long, device=self.tables.device)
         self.host_tables[slot] = list(blocks)
 
+    def vacate(self, first: int) -> None:
+        """Slots first.. hold no row: length 0 and every table entry the trash block, so a static
+        step's padding rows write there and nowhere else (host-checked: no device write when they
+        are vacant already)."""
+        for slot in range(first, self.num_slots):
+            self.set_table(slot, [])
+        super().vacate(first)
+
     def _locate(self, lo: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of positions pos [R, T] of slots lo..lo+R-1."""
         blocks = self.tables[lo : lo + pos.shape[0]].gather(1, pos // self.block_size)

@@ -73,11 +73,17 @@ class SlotKV:
         """Where rows lo..lo+r-1 write their next tokens: their device lengths [r] (a view)."""
         return self.lengths[lo : lo + r]
 
-    def attended(self, lo: int, r: int, num_new: int, static: bool) -> int:
+    def attended(self, lo: int, r: int, num_new: int, span: int | None = None) -> int:
         """Keys a forward of `num_new` tokens per row over rows lo..lo+r-1 attends over: the longest
-        row's length plus `num_new`, from the host mirror; a static-shape forward attends over the
-        whole capacity (the same shapes every step, nothing for a CUDA graph to read)."""
-        return self.capacity if static else max(self.host_lengths[lo : lo + r]) + num_new
+        row's length plus `num_new`, from the host mirror; a static-shape forward attends over a
+        fixed `span` (the same shapes every step, nothing for a CUDA graph to read)."""
+        return span if span is not None else max(self.host_lengths[lo : lo + r]) + num_new
+
+    def vacate(self, first: int) -> None:
+        """Slots first.. hold no row: their lengths become 0 (a static step's padding rows write at
+        position 0 of their own slots, never at a stale length; one device write, where any changed)."""
+        if any(self.host_lengths[first:]):
+            self.set_lengths(first, [0] * (self.num_slots - first))
 
     # -- rows -------------------------------------------------------------------------------------
 

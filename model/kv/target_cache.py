@@ -42,14 +42,14 @@ class RaggedKVCache(SlotKV, Cache):
         self._index: tuple[torch.Tensor, ...] = ()
         self.written: list[int] = []  # layer_idx of every `update` since the last `prepare`
 
-    def prepare(self, lo: int, start: torch.Tensor, num_new: int, static: bool = False) -> None:
+    def prepare(self, lo: int, start: torch.Tensor, num_new: int, span: int | None = None) -> None:
         """Route the next forward's writes: rows lo.., token t of row r goes to start[r] + t.
 
-        static: attend over the whole capacity instead of the longest row (the same shapes every
+        span: attend over that many positions instead of the longest row's (the same shapes every
         step: what a CUDA graph needs). Either way nothing is read from the device."""
         r = start.shape[0]
         self._lo, self._hi = lo, lo + r
-        self._kv_len = self.attended(lo, r, num_new, static)
+        self._kv_len = self.attended(lo, r, num_new, span)
         self._index = self.scatter_index(lo, start, num_new)
         self.written = []
 

@@ -400,7 +400,7 @@ class Drafter(nn.Module):
         cache: DraftContextCache,
         lo: int,
         block_tokens: torch.Tensor,
-        static: bool = False,
+        span: int | None = None,
         num_outputs: int | None = None,
     ) -> torch.Tensor:
         """Run blocks [R, B] for slots lo..lo+R-1, each placed right after its row's context.
@@ -408,14 +408,14 @@ class Drafter(nn.Module):
         Returns final-normed hidden states [R, B, H] (or of the first `num_outputs` block
         positions: the rest only feed attention, and a step that drafts fewer slots than the
         block holds need not finish them). Attention is non-causal over
-        [that row's context ; its block]. `static` attends over the whole capacity (fixed shapes,
+        [that row's context ; its block]. `span` attends over that many positions (fixed shapes,
         no read of the lengths back to the host: for CUDA graphs).
         """
         r, b = block_tokens.shape
         dev = block_tokens.device
         start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(b, device=dev)[None, :]
-        kv_len = cache.attended(lo, r, b, static)
+        kv_len = cache.attended(lo, r, b, span)
         # Key j of row r is visible iff it is part of that row's context or its block.
         visible = torch.arange(kv_len, device=dev)[None, :] < (start[:, None] + b)
         mask = visible[:, None, None, :]

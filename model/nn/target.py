@@ -100,7 +100,7 @@ class TargetModel:
         tokens: torch.Tensor,
         logits_at: torch.Tensor | None = None,
         want_features: bool = True,
-        static: bool = False,
+        span: int | None = None,
         taps: list[int] | None = None,
         keep_hidden: bool = False,
     ) -> TargetOutput:
@@ -109,15 +109,16 @@ class TargetModel:
         Rows with fewer real tokens pad on the right; padded positions are written past the
         row's length and never counted. `logits_at` [R] picks one position per row for the LM
         head (prefill); otherwise logits for all T positions are returned. `taps` picks the tapped
-        layers concatenated into the features (default: all of them). `static` attends over
-        the cache's whole capacity: shapes depend only on [R, T] and nothing is read back to the
-        host (model/engine/static.py captures this in CUDA graphs). `keep_hidden` also returns every
-        position's final hidden state, for the caller to apply the LM head in chunks (prompt logprobs).
+        layers concatenated into the features (default: all of them). `span` attends over that
+        many positions (a static-shape bucket's context): shapes depend only on [R, T] and the span,
+        and nothing is read back to the host (model/engine/static.py captures this in CUDA graphs).
+        `keep_hidden` also returns every position's final hidden state, for the caller to apply the
+        LM head in chunks (prompt logprobs).
         """
         r, t = tokens.shape
         start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]
-        cache.prepare(lo, start, t, static=static)
+        cache.prepare(lo, start, t, span=span)
         kv_len = cache.get_seq_length()
         # Causal over each row's own committed prefix plus the new tokens.
         visible = torch.arange(kv_len, device=tokens.device)[None, None, :] <= positions[:, :, None]

@@ -217,8 +217,3 @@ def test_paged_pools_hold_the_budget_not_the_batch_times_the_length() -> None:
         engine.step()
         most = max(most, engine.num_running)
     assert most == 64 and engine.num_preemptions == 0
-
-
-def test_paged_with_static_shapes_is_refused_naming_both_settings() -> None:
-    with pytest.raises(ValueError, match=r"DOMINO_KV_LAYOUT.*DOMINO_STATIC_SHAPES"):
-        _engine(None, layout="paged", static_shapes=True)

@@ -256,7 +256,7 @@ def assert_all_graphs(engine: Engine) -> None:
 def replayed_verify_buckets(engine: Engine) -> set[int]:
     """Batch buckets whose verify ran as a CUDA graph at least once."""
     assert engine.static is not None
-    return {rb for (rb, _), f in engine.static.verify.items() if f.calls and f.graph is not None}
+    return {rb for (rb, _, _), f in engine.static.verify.items() if f.calls and f.graph is not None}
 
 
 def cuda_engine(model: Any, mode: str, batch: int, graphs: bool, dtype: torch.dtype = torch.bfloat16) -> Engine:
@@ -373,7 +373,7 @@ def test_cuda_graphs_rows_join_and_leave_across_buckets(bf16_qwen3: tuple[Any, A
     assert replayed_verify_buckets(engine) == {1, 2, 4}
     if mode == "domino":
         assert engine.static is not None
-        assert {rb for rb, f in engine.static.propose.items() if f.calls} == {1, 2, 4}
+        assert {rb for (rb, _), f in engine.static.propose.items() if f.calls} == {1, 2, 4}
 
 
 @pytest.mark.parametrize("mode", ["ar", "domino"])
@@ -394,7 +394,7 @@ def test_cuda_graphs_batch_shrinks_mid_decode(bf16_qwen3: tuple[Any, Any], mode:
     assert replayed_verify_buckets(engine) == {1, 2, 4}
     if mode == "domino":
         assert engine.static is not None
-        assert {rb for rb, f in engine.static.propose.items() if f.calls} == {1, 2, 4}
+        assert {rb for (rb, _), f in engine.static.propose.items() if f.calls} == {1, 2, 4}
 
 
 def test_capture_failure_falls_back_to_eager() -> None:

@@ -90,8 +90,8 @@ def test_move_row_and_row_kv_use_the_host_lengths() -> None:
     assert cache.row_kv(2, 0, 5).shape == (2, 2, 2, 5, 4)  # [layers, keys/values, kv_heads, n, head_dim]
     cache.advance(1, torch.tensor([2, 1]), [2, 1])
     assert cache.host_lengths == cache.lengths.tolist() == [5, 5, 6]
-    assert cache.attended(0, 2, 3, static=False) == 8 and cache.attended(0, 2, 3, static=True) == 8
-    assert cache.attended(1, 1, 1, static=False) == 6
+    assert cache.attended(0, 2, 3) == 8 and cache.attended(0, 2, 3, span=8) == 8
+    assert cache.attended(1, 1, 1) == 6
 
 
 @pytest.mark.parametrize("cache_type", [RaggedKVCache, DraftContextCache])

@@ -20,8 +20,13 @@ from tests.model.test_engine import _hf_greedy, _prompts, oracle_engine
 MODES = ("ar", "ngram", "dflash", "domino")
 
 
-def _engine(model: Any, mode: str, batch: int, static: bool = True, **kwargs: Any) -> Engine:
+LAYOUTS = ["slots", "paged"]
+
+
+def _engine(model: Any, mode: str, batch: int, static: bool = True, layout: str = "slots", **kwargs: Any) -> Engine:
     drafter = tiny_drafter(domino=True) if mode in ("dflash", "domino") else None
+    if layout == "paged":  # small blocks, and two spans (26 and the capacity) that rows grow across
+        kwargs = {"kv_layout": "paged", "kv_block_size": 4, "static_min_span": 16, **kwargs}
     return Engine(
         TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, static_shapes=static, **kwargs
     )
@@ -54,28 +59,34 @@ def test_buckets() -> None:
 CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("mode", "batch", "policy"), CASES)
-def test_static_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
+def test_static_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str, layout: str) -> None:
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, batch, draft_policy=policy)
+    engine = _engine(model, mode, batch, layout=layout, draft_policy=policy)
     assert engine.static is not None
     results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
     assert [tokens for tokens, _, _ in results] == refs
     # The buckets really ran: every decode step went through one (batch 3 pads to 4 slots).
     verify_calls = sum(f.calls for f in engine.static.verify.values())
     assert verify_calls > 0
-    assert set(engine.static.verify) == {(rb, t) for rb in batch_buckets(batch) for t in engine.static.verify_widths}
+    assert set(engine.static.verify) == {
+        (rb, t, c) for rb in batch_buckets(batch) for t in engine.static.verify_widths for c in engine.static.spans
+    }
     if mode in ("dflash", "domino"):
         assert sum(f.calls for f in engine.static.propose.values()) > 0
     else:
         assert not engine.static.propose
+    if layout == "paged":  # rows grew across the spans: both ran
+        assert {c for (_, _, c), f in engine.static.verify.items() if f.calls} == set(engine.static.spans)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_static_rows_join_mid_decode(target_and_refs, mode: str) -> None:
+def test_static_rows_join_mid_decode(target_and_refs, mode: str, layout: str) -> None:
     """Requests join every other step, so batches grow and shrink across buckets (1 -> 2 -> 4)."""
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, 4)
+    engine = _engine(model, mode, 4, layout=layout)
     tokens: dict[str, list[int]] = {}
     pending, steps, sizes = list(range(8)), 0, set()
     while pending or engine.has_unfinished():
@@ -88,7 +99,7 @@ def test_static_rows_join_mid_decode(target_and_refs, mode: str) -> None:
         steps += 1
     assert [tokens[str(i)] for i in range(8)] == refs
     assert {1, 2, 3, 4} <= sizes
-    assert {rb for (rb, _), f in engine.static.verify.items() if f.calls} == {1, 2, 4}
+    assert {rb for (rb, _, _), f in engine.static.verify.items() if f.calls} == {1, 2, 4}
 
 
 def test_static_oracle_accepts_full_blocks() -> None:
@@ -111,7 +122,7 @@ def test_static_oracle_accepts_full_blocks() -> None:
     for (tokens, stats, _), ref in zip(results, refs):
         assert tokens == ref
         assert stats.acceptance_lengths[:4] == [5, 5, 5, 5]
-    assert engine.static is not None and engine.static.verify[(4, 5)].calls > 0
+    assert engine.static is not None and engine.static.verify[(4, 5, engine.cache.capacity)].calls > 0
 
 
 def test_static_seeded_sampling_same_as_dynamic() -> None:
@@ -125,9 +136,9 @@ def test_static_seeded_sampling_same_as_dynamic() -> None:
         SamplingParams(max_new_tokens=20, temperature=1.2, seed=7),
         SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, seed=99),
     ]
-    for mode in ("domino", "ngram"):
-        dynamic = _engine(model, mode, 4, static=False).generate(prompts, params)
-        static = _engine(model, mode, 4, static=True).generate(prompts, params)
+    for mode, layout in [("domino", "slots"), ("ngram", "slots"), ("domino", "paged")]:
+        dynamic = _engine(model, mode, 4, static=False, layout=layout).generate(prompts, params)
+        static = _engine(model, mode, 4, static=True, layout=layout).generate(prompts, params)
         assert [t for t, _, _ in static] == [t for t, _, _ in dynamic]
 
 
@@ -148,12 +159,12 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "layout"), [("qwen3", "slots"), ("llama", "slots"), ("qwen3", "paged")])
+def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str, layout: str) -> None:
     """A CUDA graph cannot contain a host sync: the static verify and proposal functions must not
     read any device value. Nor does a dynamic forward (target or drafter) to size itself, or a row
     move: the longest row's length comes from the caches' host mirror (model/kv/slots.py)."""
-    engine = _engine(tiny_target(kind), "domino", 3)
+    engine = _engine(tiny_target(kind), "domino", 3, layout=layout)
     engine.add_request("a", _prompts(1)[0], SamplingParams(max_new_tokens=6))
     engine.add_request("b", _prompts(2)[1][:5], SamplingParams(max_new_tokens=6))
     engine.step()  # the prefill: rows with real, unequal lengths
@@ -163,8 +174,8 @@ def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str) -> None:
     block = torch.zeros(2, engine.drafter.config.block_size, dtype=torch.long)
     with torch.inference_mode():
         with HostReads() as static_reads:
-            engine.runner.static_verify(tokens)
-            engine.drafter_proposer.static_block(torch.zeros(2, dtype=torch.long))
+            engine.runner.static_verify(tokens, span=engine.cache.capacity)
+            engine.drafter_proposer.static_block(torch.zeros(2, dtype=torch.long), span=engine.draft_cache.capacity)
         with HostReads() as dynamic_reads:
             engine.target.forward(engine.cache, 0, tokens)
             engine.drafter.forward_block(engine.draft_cache, 0, block)
@@ -176,10 +187,97 @@ def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str) -> None:
     assert probe.reads
 
 
-def test_padded_slots_are_never_counted() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_slots_are_never_counted(layout: str) -> None:
     """Batch 3 runs in the 4-row bucket: the padding slot's cache length never moves."""
     model = tiny_target()
-    engine = _engine(model, "domino", 3, draft_policy="fixed")
+    engine = _engine(model, "domino", 3, layout=layout, draft_policy="fixed")
     assert engine.cache.num_slots == 4
     engine.generate(_prompts(3), SamplingParams(max_new_tokens=12))
     assert engine.cache.host_lengths[3] == int(engine.cache.lengths[3]) == 0
+
+
+def _block_snapshot(engine: Engine) -> list[torch.Tensor]:
+    return [t.clone() for c in (engine.cache, engine.draft_cache) for k, v in c.layer_kv() for t in (k, v)]
+
+
+def test_paged_padding_rows_never_write_a_live_block() -> None:
+    """Batch 3 in the 4-row bucket on paged storage, with the padding slot's table pointing at a live
+    row's blocks and a stale length inside them (what a departed row leaves when its blocks go to
+    another row): the step vacates the slot first, so around the padded verify and proposal every
+    block keeps its committed positions, and nothing but the live rows' own new positions and the
+    trash block changes."""
+    model = tiny_target()
+    engine = _engine(model, "domino", 3, layout="paged", draft_policy="fixed")
+    prompts = _prompts(3)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=40))
+    engine.step()
+    engine.step()
+    assert engine.num_running == 3 and engine.cache.num_slots == 4
+    tables = {r.request_id: engine.runner.blocks.table(r.request_id) for r in engine.rows}
+    lengths = {r.request_id: engine.cache.host_lengths[i] for i, r in enumerate(engine.rows)}
+    for cache in (engine.cache, engine.draft_cache):  # slot 3 as a departed row would leave it
+        cache.set_table(3, tables["1"])
+        cache.set_lengths(3, [2])
+    before = _block_snapshot(engine)
+    calls = sum(f.calls for f in engine.static.verify.values())
+    engine.step()
+    assert sum(f.calls for f in engine.static.verify.values()) == calls + 1  # the padded bucket ran
+    after = _block_snapshot(engine)
+    assert engine.num_running == 3
+    tables = {r.request_id: engine.runner.blocks.table(r.request_id) for r in engine.rows}  # grown for the step
+    bs, trash = engine.cache.block_size, engine.cache.trash
+    for x, y in zip(before, after):
+        for b in range(trash):
+            owner = next((rid for rid, t in tables.items() if b in t), None)
+            # A live row writes its step's tokens at its length and on; nothing else is written.
+            keep = (lengths[owner] - tables[owner].index(b) * bs) if owner is not None else bs
+            assert torch.equal(x[b, : max(keep, 0)], y[b, : max(keep, 0)]), (b, owner)
+    assert engine.cache.host_tables[3] == [] and engine.cache.host_lengths[3] == 0
+
+
+def test_paged_static_steps_read_what_the_longest_row_needs_not_the_capacity() -> None:
+    """KV bytes read by a static step with a 1k-token row: the same at max_model_len 32k as at 2k
+    (the span is taken from the longest live row; with slots it would be 16x)."""
+    model = tiny_target()
+    prompt = _prompts(1)[0] * 40  # ~1k tokens
+    reads = {}
+    for max_len in (2048, 32768):
+        engine = Engine(TargetModel(model), None, mode="ar", max_batch_size=1, max_model_len=max_len,
+                        static_shapes=True, kv_layout="paged")  # fmt: skip
+        engine.add_request("a", prompt, SamplingParams(max_new_tokens=4))
+        engine.step()
+        before = engine.kv_bytes_read
+        engine.step()
+        reads[max_len] = engine.kv_bytes_read - before
+        assert engine.static is not None and sum(f.calls for f in engine.static.verify.values()) == 1
+    assert 0 < reads[32768] <= 1.1 * reads[2048]
+
+
+def test_pools_tables_and_lengths_never_move() -> None:
+    """What a captured graph reads stays at one address across admission, preemption (a budget of
+    about two rows), compaction, and a second engine built over the same target and drafter."""
+    model = tiny_target()
+    target, drafter = TargetModel(model), tiny_drafter(domino=True)
+
+    def build(memory: int | None = None) -> Engine:
+        return Engine(target, drafter, mode="domino", max_batch_size=4, max_model_len=64, static_shapes=True,
+                      kv_layout="paged", kv_block_size=4, static_min_span=16, kv_cache_memory=memory,
+                      draft_policy="fixed")  # fmt: skip
+
+    row_bytes = build().runner.bytes_per_token * 80  # a row at max_model_len and its lookahead, about
+    engine = build(int(1.5 * row_bytes))
+    caches = (engine.cache, engine.draft_cache)
+
+    def addresses() -> list[int]:
+        return [t.data_ptr() for c in caches for t in (*c.keys, *c.values, c.tables, c.lengths)]
+
+    start = addresses()
+    refs = [_hf_greedy(model, p, 30) for p in _prompts(6)]
+    results = engine.generate(_prompts(6), SamplingParams(max_new_tokens=30))
+    assert [t for t, _, _ in results] == refs and engine.num_preemptions > 0
+    other = build(int(1.5 * row_bytes))
+    assert other.generate(_prompts(2), SamplingParams(max_new_tokens=5))
+    assert addresses() == start
+    assert [t for t, _, _ in engine.generate(_prompts(2), SamplingParams(max_new_tokens=30))] == refs[:2]
