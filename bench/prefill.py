@@ -1,75 +1,109 @@
-"""Prefill time with and without the prefix cache, side by side: `python -m bench.prefill`.
+"""Prefill time of two engines side by side: `python -m bench.prefill`.
 
-Two engines over the same target load the same prompts in batches (one prefill step each), the
-engines alternating batch by batch so machine drift hits both alike. The first batch is reported
-apart: the cache starts empty. Decoding is not timed (each request asks for one token).
+By default: with the prefix cache against without it. `--layouts slots,paged`: the slot layout's
+copying prefix cache against paged storage's shared blocks (both with the prefix cache on).
+
+The two engines (A, B) load the same prompts in batches (one prefill step each), alternating batch
+by batch so machine drift hits both alike. The first batch is reported apart: the cache starts
+empty. Decoding is not timed (each request asks for one token). Ratios are A's prefill time over
+B's: with the cache over without (below 1: the cache saves time), or slots' over paged's (paged's
+speed relative to the slots). The batches after the first are also cut into `--repetitions`
+consecutive groups, a ratio each, and their median.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.report import write_json
+from model.engine.engine import Engine
 from model.engine.requests import SamplingParams
 from model.load.loading import DEFAULT_TARGET, build_engine
 from model.load.prompts import load_prompt_file
 
 
-def main() -> None:
+def engine_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """A and B: EngineConfig overrides, by label."""
+    if args.layouts:
+        a, b = args.layouts.split(",")
+        prefix = {"prefix_cache_tokens": args.cache_tokens, "prefix_block_size": args.block_size}
+        return {a: {**prefix, "kv_layout": a}, b: {**prefix, "kv_layout": b, "kv_block_size": args.block_size}}
+    return {
+        "with_cache": {"prefix_cache_tokens": args.cache_tokens, "prefix_block_size": args.block_size},
+        "without": {"prefix_cache_tokens": 0},
+    }
+
+
+def prefill_times(engines: dict[str, Engine], prompts: list[list[int]], batch: int) -> tuple[dict, int]:
+    """Per engine, each batch's prefill step time; and the prompt tokens A's cache held after batch 0."""
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    cached = 0
+    first = next(iter(engines))
+    for b in range(len(prompts) // batch):
+        for label, engine in engines.items():
+            for i, prompt in enumerate(prompts[b * batch : (b + 1) * batch]):
+                engine.add_request(f"{b}-{i}", prompt, SamplingParams(max_new_tokens=1))
+            t0 = time.perf_counter()
+            outputs = engine.step()  # the batch's prefill
+            times[label].append(time.perf_counter() - t0)
+            if label == first and b:
+                cached += sum(o.stats.cached_prompt_tokens for o in outputs)
+            while engine.has_unfinished():
+                engine.step()
+    return times, cached
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--prompts", default="bench/prompts/sharegpt_heldout.jsonl")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--batches", type=int, default=12)
+    p.add_argument("--repetitions", type=int, default=1, help="groups of batches after the first, a ratio each")
     p.add_argument("--cache-tokens", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=8, help="prefix block (and, paged, KV block) in tokens")
+    p.add_argument("--layouts", default=None, help="A,B: compare KV layouts, both with the prefix cache")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engines = {}
-    for tokens in (args.cache_tokens, 0):
-        engines[tokens], tokenizer = build_engine(
-            target=args.target,
-            mode="domino",
-            max_batch_size=args.batch,
-            prefix_cache_tokens=tokens,
-            prefix_block_size=args.block_size,
+    engines: dict[str, Engine] = {}
+    for label, settings in engine_settings(args).items():
+        engines[label], tokenizer = build_engine(
+            target=args.target, mode="domino", dtype=args.dtype, max_batch_size=args.batch, **settings
         )
     prompts = load_prompt_file(Path(args.prompts), tokenizer)[: args.batch * args.batches]
-    times: dict[int, list[float]] = {tokens: [] for tokens in engines}
-    cached = 0
-    for b in range(args.batches):
-        batch = prompts[b * args.batch : (b + 1) * args.batch]
-        for tokens, engine in engines.items():
-            for i, prompt in enumerate(batch):
-                engine.add_request(f"{b}-{i}", prompt, SamplingParams(max_new_tokens=1))
-            t0 = time.perf_counter()
-            outputs = engine.step()  # the batch's prefill
-            times[tokens].append(time.perf_counter() - t0)
-            if tokens and b:
-                cached += sum(o.stats.cached_prompt_tokens for o in outputs)
-            while engine.has_unfinished():
-                engine.step()
-    with_cache, without = times[args.cache_tokens], times[0]
+    times, cached = prefill_times(engines, prompts, args.batch)
+    (a, ta), (b, tb) = times.items()
+    group = (len(ta) - 1) // args.repetitions
+    ratios = [sum(ta[1 + r * group : 1 + (r + 1) * group]) / sum(tb[1 + r * group : 1 + (r + 1) * group])
+              for r in range(args.repetitions)]  # fmt: skip
     result = {
+        "a": a,
+        "b": b,
         "prompts": len(prompts) - args.batch,
         "prompt_tokens": sum(len(q) for q in prompts[args.batch :]),
-        "cached_tokens": cached,
-        "prefill_s_with_cache": round(sum(with_cache[1:]), 3),
-        "prefill_s_without": round(sum(without[1:]), 3),
-        "ratio": round(sum(with_cache[1:]) / sum(without[1:]), 3),
-        "first_batch_ratio": round(with_cache[0] / without[0], 3),
+        "cached_tokens_a": cached,
+        f"prefill_s_{a}": round(sum(ta[1:]), 3),
+        f"prefill_s_{b}": round(sum(tb[1:]), 3),
+        "ratio": round(sum(ta[1:]) / sum(tb[1:]), 3),  # A's time over B's
+        "ratios": [round(x, 3) for x in ratios],
+        "ratio_median": round(statistics.median(ratios), 3),
+        "first_batch_ratio": round(ta[0] / tb[0], 3),
         "config": vars(args),
     }
     print(json.dumps(result, indent=2))
     if args.json:
         write_json(result, Path(args.json))
+    return result
 
 
 if __name__ == "__main__":
