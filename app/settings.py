@@ -111,10 +111,10 @@ class Settings(BaseSettings):
     )
     kv_block_size: int = Field(16, description="tokens per KV cache block, a power of two")
     kv_layout: Literal["slots", "paged"] = Field(
-        "slots",
-        description="KV storage: slots (one of max_model_len per running row, allocated at start) or paged "
-        "(pools of KV blocks holding DOMINO_KV_CACHE_MEMORY; attention reads each row's own blocks; "
-        "static-shape steps attend over the smallest of a few spans that holds the longest row)",
+        "paged",
+        description="KV storage: paged (pools of KV blocks holding DOMINO_KV_CACHE_MEMORY; attention reads each "
+        "row's own blocks; static-shape steps attend over the smallest of a few spans that holds the longest "
+        "row) or slots (one of max_model_len per running row, allocated at start; to be removed)",
     )
     prefix_cache_tokens: int = Field(
         4096,

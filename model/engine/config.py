@@ -35,7 +35,7 @@ class EngineConfig:
     # None: 2 GiB on a CPU, 0.9 on a GPU. Rows are admitted while their blocks fit.
     kv_cache_memory: int | float | None = None
     kv_block_size: int = 16  # tokens per KV block, a power of two
-    kv_layout: str = "slots"  # slots: one slot of max_model_len per row; paged: pools of KV blocks
+    kv_layout: str = "paged"  # paged: pools of KV blocks; slots: one slot of max_model_len per row
     # Paged static steps attend over the capacity, or a quarter of it, a sixteenth, ... down to no
     # less than this many positions (model/engine/static.py: span_buckets).
     static_min_span: int = 512

@@ -210,15 +210,17 @@ class Engine:
             preempted = self.scheduler.preempt_for_step(self.rows)  # back in the queue, to be recomputed
             self._remove_rows([self.rows.index(row) for row in preempted])
             self.num_preemptions += len(preempted)
-            self.runner.place(self.rows)  # the blocks each row grew into (paged storage)
+            self.runner.vacate(len(self.rows))
             states = [row.generator.bit_generator.state for row in self.rows]
             try:
+                self.runner.place(self.rows)  # the blocks each row grew into (paged storage)
                 outputs.extend(self._decode())
             except Exception:  # noqa: BLE001 - retry row by row; caches only advance on success
                 for row, state in zip(self.rows, states):
                     row.generator.bit_generator.state = state  # the retry draws the same random numbers
                 for i in range(len(self.rows)):
                     try:
+                        self.runner.place(self.rows[i : i + 1], i)
                         outputs.extend(self._decode(i, i + 1, finalize=False))
                     except Exception as exc:  # noqa: BLE001
                         outputs.append(self._error_output(self.rows[i], exc))

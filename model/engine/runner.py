@@ -203,19 +203,21 @@ class ModelRunner:
 
     def place(self, rows: Sequence[Row], lo: int = 0) -> None:
         """Rows now in slots lo..: with paged storage each slot's block table becomes its row's
-        (copied only where it changed). With lo 0 (before a decode step: every running row) the
-        slots past them are vacated, so that a static step's padding rows never write where a row
-        that left, or a block it gave back, was."""
-        caches = [c for c in (self.cache, self.draft_cache) if c is not None]
-        if self.paged:
-            for i, row in enumerate(rows):
-                table = self.blocks.table(row.request_id)
-                for cache in caches:
-                    if isinstance(cache, PagedKV):
-                        cache.set_table(lo + i, table)
-        if lo == 0:
-            for cache in caches:
-                cache.vacate(len(rows))
+        (copied only where it changed)."""
+        if not self.paged:
+            return
+        for i, row in enumerate(rows):
+            table = self.blocks.table(row.request_id)
+            for cache in (self.cache, self.draft_cache):
+                if isinstance(cache, PagedKV):
+                    cache.set_table(lo + i, table)
+
+    def vacate(self, first: int) -> None:
+        """Slots first.. hold no row: emptied, so that a static step's padding rows never write where
+        a row that left, or a block it gave back, was."""
+        for cache in (self.cache, self.draft_cache):
+            if cache is not None:
+                cache.vacate(first)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row `src` now lives in slot `dst` (one row copy per cache)."""

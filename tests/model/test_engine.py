@@ -44,6 +44,8 @@ def _engine(model, mode: str, batch: int, layout: str = "slots", **kwargs) -> En
     drafter = tiny_drafter(domino=True) if mode != "ar" else None
     if layout == "paged":  # small blocks: rows cross many block boundaries
         kwargs = {"kv_layout": "paged", "kv_block_size": 4, **kwargs}
+    else:
+        kwargs = {"kv_layout": "slots", **kwargs}
     return Engine(TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, **kwargs)
 
 

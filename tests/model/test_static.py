@@ -27,6 +27,8 @@ def _engine(model: Any, mode: str, batch: int, static: bool = True, layout: str 
     drafter = tiny_drafter(domino=True) if mode in ("dflash", "domino") else None
     if layout == "paged":  # small blocks, and two spans (26 and the capacity) that rows grow across
         kwargs = {"kv_layout": "paged", "kv_block_size": 4, "static_min_span": 16, **kwargs}
+    else:
+        kwargs = {"kv_layout": "slots", **kwargs}
     return Engine(
         TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, static_shapes=static, **kwargs
     )
