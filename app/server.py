@@ -47,10 +47,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         static_shapes=None if settings.static_shapes == "auto" else settings.static_shapes == "on",
         cuda_graphs=settings.cuda_graphs,
         prefix_cache_tokens=settings.prefix_cache_tokens,
-        prefix_block_size=settings.prefix_block_size,
         kv_cache_memory=parse_memory(settings.kv_cache_memory) if settings.kv_cache_memory is not None else None,
         kv_block_size=settings.kv_block_size,
-        kv_layout=settings.kv_layout,
     )
 
 

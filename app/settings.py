@@ -33,6 +33,20 @@ class Settings(BaseSettings):
                 "DOMINO_BLOCK_SIZE was retired: set DOMINO_MAX_DRAFTS to cap the drafts verified per step "
                 "(DOMINO_KV_BLOCK_SIZE is the KV cache's block size, in tokens)"
             )
+        given = data if isinstance(data, dict) else {}
+        # The slot layout and its copying prefix cache are gone: KV storage is paged, and prompts that
+        # begin alike share whole KV blocks.
+        if os.environ.get("DOMINO_PREFIX_BLOCK_SIZE") is not None or "prefix_block_size" in given:
+            raise ValueError(
+                "DOMINO_PREFIX_BLOCK_SIZE was retired: prompts beginning alike share whole KV blocks of "
+                "DOMINO_KV_BLOCK_SIZE tokens"
+            )
+        layout = os.environ.get("DOMINO_KV_LAYOUT", given.get("kv_layout"))
+        if layout is not None and layout != "paged":
+            raise ValueError(
+                f"DOMINO_KV_LAYOUT={layout} was retired with the slot layout: KV storage is always paged "
+                "(unset DOMINO_KV_LAYOUT)"
+            )
         return data
 
     @field_validator("kv_cache_memory")
@@ -110,24 +124,12 @@ class Settings(BaseSettings):
         "0.9 on a GPU",
     )
     kv_block_size: int = Field(16, description="tokens per KV cache block, a power of two")
-    kv_layout: Literal["slots", "paged"] = Field(
-        "paged",
-        description="KV storage: paged (pools of KV blocks holding DOMINO_KV_CACHE_MEMORY; attention reads each "
-        "row's own blocks; static-shape steps attend over the smallest of a few spans that holds the longest "
-        "row) or slots (one of max_model_len per running row, allocated at start; to be removed)",
-    )
     prefix_cache_tokens: int = Field(
         4096,
         ge=0,
-        description="prompt tokens whose keys/values are kept for later prompts that begin alike "
-        "(the system prompt, the chat template's markers); 0: off. With DOMINO_KV_LAYOUT=paged any value "
-        "but 0 turns sharing on, and the kept blocks are the free part of DOMINO_KV_CACHE_MEMORY",
-    )
-    prefix_block_size: int = Field(
-        8,
-        ge=1,
-        description="granularity of the slot layout's prefix cache, in tokens (paged storage shares whole "
-        "KV blocks: DOMINO_KV_BLOCK_SIZE)",
+        description="whether prompts that begin alike (the system prompt, the chat template's markers) share "
+        "their full KV blocks: 0 off, any other value on; the kept blocks are the free part of "
+        "DOMINO_KV_CACHE_MEMORY",
     )
     max_n: int = Field(16, ge=1, description="largest accepted `n` (choices per prompt)")
     max_stop: int = Field(16, ge=0, description="most stop strings / stop token ids per request")
@@ -186,18 +188,6 @@ class Settings(BaseSettings):
             self.replica_name = None
         if self.ray_address == "":
             self.ray_address = None
-        return self
-
-    @model_validator(mode="after")
-    def _prefix_blocks(self) -> Settings:
-        # Paged storage shares prompt beginnings by whole KV blocks: one block size for both.
-        if self.kv_layout == "paged" and "prefix_block_size" in self.model_fields_set:
-            if self.prefix_block_size != self.kv_block_size:
-                raise ValueError(
-                    f"DOMINO_PREFIX_BLOCK_SIZE ({self.prefix_block_size}) is the slot layout's: with "
-                    f"DOMINO_KV_LAYOUT=paged prompts share whole KV blocks of DOMINO_KV_BLOCK_SIZE "
-                    f"({self.kv_block_size}) tokens; unset DOMINO_PREFIX_BLOCK_SIZE"
-                )
         return self
 
     @model_validator(mode="after")

@@ -138,10 +138,9 @@ def build_engines(
     eos: list[int],
     max_len: int,
     ngram: bool = True,
-    kv_layout: str = "slots",
 ) -> dict[str, Engine]:
     engines: dict[str, Engine] = {}
-    kw = dict(max_batch_size=1, max_model_len=max_len, eos_token_ids=eos, ngram=ngram, kv_layout=kv_layout)
+    kw = dict(max_batch_size=1, max_model_len=max_len, eos_token_ids=eos, ngram=ngram)
     for mode in modes:
         if mode == "ar":
             engines[mode] = Engine(target, None, mode="ar", **kw)
@@ -284,7 +283,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
     parser.add_argument("--no-ngram", action="store_true", help="drafter modes without n-gram copies")
-    parser.add_argument("--kv-layout", default="slots", choices=["slots", "paged"], help="KV storage layout")
     parser.add_argument(
         "--json-mode", action="store_true", help="engine answers constrained to a JSON object (llguidance); no HF modes"
     )
@@ -311,9 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     domino = load_drafter(domino_path, dtype=dtype, target_config=model.config) if domino_path else None
     dflash = load_drafter(dflash_path, dtype=dtype, target_config=model.config) if dflash_path else None
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
-    engines = build_engines(
-        target, modes, domino, dflash, eos, max_len, ngram=not args.no_ngram, kv_layout=args.kv_layout
-    )
+    engines = build_engines(target, modes, domino, dflash, eos, max_len, ngram=not args.no_ngram)
     num_drafts = {m: e.max_drafts_per_step for m, e in engines.items()}
     grammars: dict[str, TimedGrammar] = {}
     if args.json_mode:
@@ -382,7 +378,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_new_tokens": args.max_new_tokens,
         "threads": torch.get_num_threads(),
         "ngram": not args.no_ngram,
-        "kv_layout": args.kv_layout,
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
         "json_mode": args.json_mode,

@@ -1,14 +1,12 @@
-"""Prefill time of two engines side by side: `python -m bench.prefill`.
-
-By default: with the prefix cache against without it. `--layouts slots,paged`: the slot layout's
-copying prefix cache against paged storage's shared blocks (both with the prefix cache on).
+"""Prefill time with prompts sharing their beginnings' KV blocks and without, side by side:
+`python -m bench.prefill`. (Until issue 52 it also compared the slot layout's copying prefix cache:
+bench/results/prefill_layouts_abab.json.)
 
 The two engines (A, B) load the same prompts in batches (one prefill step each), alternating batch
 by batch so machine drift hits both alike. The first batch is reported apart: the cache starts
 empty. Decoding is not timed (each request asks for one token). Ratios are A's prefill time over
-B's: with the cache over without (below 1: the cache saves time), or slots' over paged's (paged's
-speed relative to the slots). The batches after the first are also cut into `--repetitions`
-consecutive groups, a ratio each, and their median.
+B's: with sharing over without (below 1: sharing saves time). The batches after the first are also
+cut into `--repetitions` consecutive groups, a ratio each, and their median.
 """
 
 from __future__ import annotations
@@ -31,13 +29,9 @@ from model.load.prompts import load_prompt_file
 
 def engine_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """A and B: EngineConfig overrides, by label."""
-    if args.layouts:
-        a, b = args.layouts.split(",")
-        prefix = {"prefix_cache_tokens": args.cache_tokens, "prefix_block_size": args.block_size}
-        return {a: {**prefix, "kv_layout": a}, b: {**prefix, "kv_layout": b, "kv_block_size": args.block_size}}
     return {
-        "with_cache": {"prefix_cache_tokens": args.cache_tokens, "prefix_block_size": args.block_size},
-        "without": {"prefix_cache_tokens": 0},
+        "with_cache": {"prefix_cache_tokens": args.cache_tokens, "kv_block_size": args.block_size},
+        "without": {"prefix_cache_tokens": 0, "kv_block_size": args.block_size},
     }
 
 
@@ -68,8 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batches", type=int, default=12)
     p.add_argument("--repetitions", type=int, default=1, help="groups of batches after the first, a ratio each")
     p.add_argument("--cache-tokens", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=8, help="prefix block (and, paged, KV block) in tokens")
-    p.add_argument("--layouts", default=None, help="A,B: compare KV layouts, both with the prefix cache")
+    p.add_argument("--block-size", type=int, default=16, help="KV block (what prompts share), in tokens")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 MODES = ("domino", "dflash", "ngram", "ar")
 DRAFT_POLICIES = ("adaptive", "fixed")
-KV_LAYOUTS = ("slots", "paged")
 
 
 @dataclass(frozen=True)
@@ -28,14 +27,12 @@ class EngineConfig:
     static_shapes: bool | None = None  # fixed-shape buckets (CUDA graphs); None: on for CUDA
     cuda_graphs: bool = True  # capture the static buckets (CUDA only)
     prefill_split_tokens: int | None = None  # None: 512 on CUDA, 32 on the CPU (model/engine/prefill.py)
-    prefix_cache_tokens: int = 0  # 0: no prefix cache
-    prefix_block_size: int = 16  # the prefix cache's granularity, in tokens
+    prefix_cache_tokens: int = 0  # 0: prompts share no blocks; else they share full prompt blocks
     capture_taps: tuple[int, ...] | None = None  # record these target layers' features (training data)
     # KV memory (model/kv/blocks.py): bytes, or a fraction of the memory left after the weights;
     # None: 2 GiB on a CPU, 0.9 on a GPU. Rows are admitted while their blocks fit.
     kv_cache_memory: int | float | None = None
     kv_block_size: int = 16  # tokens per KV block, a power of two
-    kv_layout: str = "paged"  # paged: pools of KV blocks; slots: one slot of max_model_len per row
     # Paged static steps attend over the capacity, or a quarter of it, a sixteenth, ... down to no
     # less than this many positions (model/engine/static.py: span_buckets).
     static_min_span: int = 512
@@ -46,13 +43,11 @@ class EngineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
-        for name in ("max_batch_size", "max_model_len", "prefix_block_size", "static_min_span"):
+        for name in ("max_batch_size", "max_model_len", "static_min_span"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_drafts is not None and self.max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {self.max_drafts}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.kv_block_size < 1 or self.kv_block_size & (self.kv_block_size - 1):
             raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:

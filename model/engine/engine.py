@@ -82,7 +82,7 @@ class Engine:
             target, self.drafter, cfg, self.num_drafts, self.max_drafts_per_step, mode == "domino"
         )
         self.cache, self.draft_cache, self.static = self.runner.cache, self.runner.draft_cache, self.runner.static
-        self.prefix_cache, self.drafter_proposer = self.runner.prefix_cache, self.runner.drafter_proposer
+        self.drafter_proposer = self.runner.drafter_proposer
         # Who drafts: the drafter's block (or `proposer` in its place) and the n-gram copies.
         self.proposer: DraftProposer | None = proposer or self.drafter_proposer
         self.ngram_proposer = NgramProposer()
@@ -213,7 +213,7 @@ class Engine:
             self.runner.vacate(len(self.rows))
             states = [row.generator.bit_generator.state for row in self.rows]
             try:
-                self.runner.place(self.rows)  # the blocks each row grew into (paged storage)
+                self.runner.place(self.rows)  # the blocks each row grew into
                 outputs.extend(self._decode())
             except Exception:  # noqa: BLE001 - retry row by row; caches only advance on success
                 for row, state in zip(self.rows, states):

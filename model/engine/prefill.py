@@ -1,6 +1,7 @@
 """Admission's model work: the prompts of newly admitted rows through the target in as few padded
-forwards as pay, the drafter's context filled from the target's features, the prefix cache read and
-written, and each row's first token chosen from its prompt's last position. The engine then commits
+forwards as pay, each after the shared prompt blocks admission found, the drafter's context filled
+from the target's features, the row's own prompt blocks indexed for later prompts, and each row's
+first token chosen from its prompt's last position. The engine then commits
 the first tokens to the rows (model/engine/engine.py)."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from model.engine.row import Row, cache_ids, draw_uniforms
 from model.engine.sampling import SamplingBatch, pick_tokens
 from model.kv.blocks import BlockTables
 from model.kv.draft_cache import DraftContextCache
-from model.kv.prefix_cache import PrefixCache
 from model.kv.target_cache import RaggedKVCache
 from model.nn.drafter import Drafter
 from model.nn.target import TargetModel
@@ -63,7 +63,6 @@ class Prefiller:
         cache: RaggedKVCache,
         drafter: Drafter | None,
         draft_cache: DraftContextCache | None,
-        prefix_cache: PrefixCache | None,
         taps: list[int],
         want_features: bool,
         capture: bool,
@@ -73,9 +72,8 @@ class Prefiller:
     ) -> None:
         self.target, self.cache = target, cache
         self.drafter, self.draft_cache = drafter, draft_cache
-        self.prefix_cache = prefix_cache
-        # Paged storage: rows begin with the shared blocks admission found (Row.shared_tokens), and
-        # their own full prompt blocks are indexed for later rows once the prefill succeeded.
+        # Rows begin with the shared blocks admission found (Row.shared_tokens), and their own full
+        # prompt blocks are indexed for later rows once the prefill succeeded (None: no sharing).
         self.shared_prefixes = shared_prefixes
         self.taps, self.want_features, self.capture = taps, want_features, capture
         # What one more prefill forward costs, in padded prompt tokens (EngineConfig.prefill_split_tokens).
@@ -86,26 +84,14 @@ class Prefiller:
     @torch.inference_mode()
     def run(self, new: list[Row], lo: int) -> PrefillResult:
         """Prefill `new` into slots lo..: rows sorted by length, split where padding would cost more
-        than another forward, each after the beginning the prefix cache holds. The caches advance only
+        than another forward, each after its shared prompt blocks. The caches advance only
         once every forward succeeded. A row that was preempted (it has output already) is recomputed:
         its prompt and output but the last token (its anchor) go back into the caches, and nothing is
         chosen, drawn, scored or captured for it again."""
         dev = self.device
         resumed = {id(r) for r in new if r.output_ids}
         ids = {id(r): cache_ids(r) for r in new}
-        hits: dict[int, list[int]] = {}
-        if self.shared_prefixes is not None:
-            cached = {id(r): r.shared_tokens for r in new}
-        else:
-            # A prompt scored for its logprobs is forwarded whole: cached positions have no logits.
-            hits = {
-                id(r): self.prefix_cache.lookup(ids[id(r)])
-                if self.prefix_cache and (r.params.prompt_logprobs is None or id(r) in resumed)
-                else []
-                for r in new
-            }
-            block = self.prefix_cache.block_size if self.prefix_cache else 0
-            cached = {id(r): len(hits[id(r)]) * block for r in new}
+        cached = {id(r): r.shared_tokens if self.shared_prefixes is not None else 0 for r in new}
         new = sorted(new, key=lambda r: len(ids[id(r)]) - cached[id(r)])
         self.place(new, lo)
         starts = [cached[id(r)] for r in new]
@@ -114,8 +100,6 @@ class Prefiller:
         for i, row in enumerate(new):
             if id(row) not in resumed:
                 row.stats.cached_prompt_tokens = starts[i]
-            if self.prefix_cache is not None and starts[i]:
-                self.prefix_cache.load(lo + i, hits[id(row)])
         groups = prefill_groups(lengths, self.split_tokens)
         logits_parts, features = [], []
         scored_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
@@ -161,9 +145,6 @@ class Prefiller:
                 assert feats is not None
                 self.draft_cache.set_lengths(lo + a, starts[a:b])
                 self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b], lengths[a:b])
-        if self.prefix_cache is not None:
-            for i, row in enumerate(new):
-                self.prefix_cache.store(lo + i, ids[id(row)])
         if self.shared_prefixes is not None:
             for row in new:
                 self.shared_prefixes.index_prefix(row.request_id, ids[id(row)])

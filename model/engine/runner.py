@@ -15,8 +15,6 @@ from model.engine.proposers import DrafterProposer
 from model.engine.row import Row
 from model.engine.static import StaticSteps, batch_buckets, span_buckets, verify_widths
 from model.kv.blocks import BlockPool, BlockTables, kv_budget, kv_bytes_per_token
-from model.kv.paged import PagedKV
-from model.kv.prefix_cache import PrefixCache
 from model.kv.sizes import format_bytes
 from model.nn.drafter import Drafter, new_context_cache
 from model.nn.target import TargetModel, TargetOutput
@@ -88,9 +86,8 @@ class ModelRunner:
                 f"{cfg.kv_block_size} tokens; one row at max_model_len {cfg.max_model_len} needs {per_row} "
                 f"({format_bytes(per_row * block_bytes)})"
             )
-        # The storage: a slot of `capacity` per row, or (kv_layout "paged") pools of those blocks.
-        self.paged = cfg.kv_layout == "paged"
-        paging = (num_blocks, cfg.kv_block_size) if self.paged else None
+        # The storage: pools of those blocks (model/kv/paged.py), the scheduler's block ids in both.
+        paging = (num_blocks, cfg.kv_block_size)
         self.cache = target.new_cache(slots, capacity, paging)
         self.draft_cache = (
             new_context_cache(drafter.config, slots, capacity, target.dtype, self.device, paging)
@@ -99,20 +96,10 @@ class ModelRunner:
         )
         self.blocks = BlockTables(BlockPool(num_blocks, cfg.kv_block_size))
         self.rows_at_max_len = num_blocks // per_row
-        # Prompt beginnings seen before; not when capturing training features, which need every
-        # prompt position's taps. Paged storage shares their blocks by reference (the index in
-        # model/kv/blocks.py, inside the budget); slots copy them (model/kv/prefix_cache.py).
-        prefixes = cfg.prefix_cache_tokens > 0 and not self.capture
-        self.share_prefixes = prefixes and self.paged
-        self.prefix_cache = (
-            PrefixCache(
-                [self.cache] + ([self.draft_cache] if self.draft_cache is not None else []),
-                cfg.prefix_block_size,
-                cfg.prefix_cache_tokens,
-            )
-            if prefixes and not self.paged
-            else None
-        )
+        # Prompt beginnings seen before share their blocks by reference (the index in
+        # model/kv/blocks.py, inside the budget); not when capturing training features, which need
+        # every prompt position's taps.
+        self.share_prefixes = cfg.prefix_cache_tokens > 0 and not self.capture
         # What one more prefill forward costs, in padded prompt tokens: on a CPU a forward's fixed
         # cost is ~30 prompt tokens' worth (bench.verify_cost: 51 ms for 1 token, +1.9 ms per
         # token from 16 on); on a GPU launches dominate, so rows are split only for long padding.
@@ -120,8 +107,8 @@ class ModelRunner:
         if split_tokens is None:
             split_tokens = 512 if self.device.type == "cuda" else 32
         self.prefiller = Prefiller(
-            target, self.cache, drafter, self.draft_cache, self.prefix_cache, self.taps, self.want_features,
-            self.capture, split_tokens, self.place, self.blocks if self.share_prefixes else None,
+            target, self.cache, drafter, self.draft_cache, self.taps, self.want_features, self.capture,
+            split_tokens, self.place, self.blocks if self.share_prefixes else None,
         )  # fmt: skip
         self.drafter_proposer = (
             DrafterProposer(drafter, self.draft_cache, num_drafts, use_head, self.device)
@@ -130,7 +117,7 @@ class ModelRunner:
         )
         self.static: StaticSteps | None = None
         if static_shapes:
-            spans = span_buckets(capacity, cfg.static_min_span if self.paged else None)
+            spans = span_buckets(capacity, cfg.static_min_span)
             self.static = self._build_static_steps(cfg.max_batch_size, max_drafts_per_step, spans, cfg.cuda_graphs)
             if self.drafter_proposer is not None:
                 self.drafter_proposer.static = self.static
@@ -197,19 +184,16 @@ class ModelRunner:
         return (
             f"KV cache: {pool.num_blocks} blocks x {pool.block_size} tokens = {tokens} tokens "
             f"({format_bytes(tokens * self.bytes_per_token)}); {self.rows_at_max_len} "
-            f"{'row fits' if self.rows_at_max_len == 1 else 'rows fit'} at max_model_len "
-            f"" + ("(paged)" if self.paged else "(storage: one slot of max_model_len per row)")
+            f"{'row fits' if self.rows_at_max_len == 1 else 'rows fit'} at max_model_len"
         )
 
     def place(self, rows: Sequence[Row], lo: int = 0) -> None:
-        """Rows now in slots lo..: with paged storage each slot's block table becomes its row's
-        (copied only where it changed)."""
-        if not self.paged:
-            return
+        """Rows now in slots lo..: each slot's block table becomes its row's (copied only where it
+        changed)."""
         for i, row in enumerate(rows):
             table = self.blocks.table(row.request_id)
             for cache in (self.cache, self.draft_cache):
-                if isinstance(cache, PagedKV):
+                if cache is not None:
                     cache.set_table(lo + i, table)
 
     def vacate(self, first: int) -> None:
@@ -220,7 +204,7 @@ class ModelRunner:
                 cache.vacate(first)
 
     def move_row(self, src: int, dst: int) -> None:
-        """Row `src` now lives in slot `dst` (one row copy per cache)."""
+        """Row `src` now lives in slot `dst`: its block table and length move, no key is copied."""
         self.cache.move_row(src, dst)
         if self.draft_cache is not None:
             self.draft_cache.move_row(src, dst)

@@ -1,12 +1,11 @@
 """KV memory by blocks: a fixed number of fixed-size blocks shared by every row, reference-counted,
-each row's block table on the host, and (paged storage) an index of full prompt blocks by content, so
-that prompts beginning alike share those blocks by reference.
+each row's block table on the host, and an index of full prompt blocks by content, so that prompts
+beginning alike share those blocks by reference.
 
 The budget (`DOMINO_KV_CACHE_MEMORY`) becomes a number of blocks once, at start-up, from the bytes
 one token takes in the target's and the drafter's caches together. Admission reserves a row's
-blocks (model/engine/scheduler.py); a row leaving gives them back. With the slot layout this is the
-accounting only (the physical caches are one slot of `max_model_len` per row, model/kv/slots.py);
-with paged storage the blocks are the storage (model/kv/paged.py).
+blocks (model/engine/scheduler.py); a row leaving gives them back. The blocks are the storage
+(model/kv/paged.py).
 
 The prefix index (as vLLM's block pool does) keeps a freed block's content for as long as nobody needs
 the block: free blocks wait in least-recently-used order, a prompt that begins with an indexed block

@@ -1,10 +1,18 @@
-"""Paged storage behind the KV room's interface (model/kv/slots.py): per layer one pool of
-fixed-size blocks `[num_blocks + 1, block_size, kv_heads, head_dim]`, allocated once and written in
-place, and per slot a block table. Slot s's position p lives in block `tables[s, p // block_size]` at
-offset `p % block_size`. The tables are the scheduler's (model/kv/blocks.py: `BlockTables`), copied in
-with `set_table` when they change; entries a row does not own point at the last block, a trash block
-no row owns, so the padding a prefill group writes past a short row, and the tail a gather reads past
-it, never touch another row's blocks. Compaction swaps table rows: no key or value is copied.
+"""The KV room's one storage, which the target's cache (target_cache.py) and the drafter's context
+cache (draft_cache.py) both are: per layer one pool of fixed-size blocks `[num_blocks + 1,
+block_size, kv_heads, head_dim]`, allocated once and written in place; per slot (row i of the batch
+lives in slot i) a block table; and each slot's committed length twice, on the device (what forwards
+and captured graphs read) and on the host (what sizes a forward and moves a row, so neither reads
+the device).
+
+Slot s's position p lives in block `tables[s, p // block_size]` at offset `p % block_size`. The
+tables are the scheduler's (model/kv/blocks.py: `BlockTables`), copied in with `set_table` when they
+change; entries a row does not own point at the last block, a trash block no row owns, so the
+padding a prefill group writes past a short row, a static step's padding rows, and the tail a gather
+reads past a row never touch another row's blocks. Compaction moves table rows: no key or value is
+copied. The engine keeps the lengths in step through `set_lengths` (prefill, rollback) and `advance`
+(a decode step, with the counts its one device->host copy already brought back); tests reach a row's
+keys and values through `row_kv` / `put_row_kv`.
 
 A read gathers a row's blocks into one tensor (the attention kernels take dense keys). Blocks are
 token-major so that the gather is one `index_select` of whole blocks and the result is already
@@ -20,11 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
-from model.kv.slots import SlotKV
 
-
-class PagedKV(SlotKV):
-    """SlotKV's interface over block pools (the forwards see the same calls)."""
+class PagedKV:
+    """Keys/values of every layer in block pools, per-slot block tables, device lengths and their
+    host mirror."""
 
     def __init__(
         self,
@@ -49,9 +56,66 @@ class PagedKV(SlotKV):
         self.tables = torch.full((max_slots, math.ceil(capacity / block_size)), num_blocks, device=device)
         self.host_tables: list[list[int]] = [[] for _ in range(max_slots)]
 
+    @classmethod
+    def contiguous(
+        cls,
+        num_layers: int,
+        max_slots: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        block_size: int = 16,
+    ) -> PagedKV:
+        """A cache whose slot s owns blocks s*n .. s*n + n - 1 (n blocks hold the capacity) for good:
+        what a benchmark or test that sets lengths directly, without a scheduler, needs."""
+        n = math.ceil(capacity / block_size)
+        cache = cls(num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device, max_slots * n, block_size)
+        for slot in range(max_slots):
+            cache.set_table(slot, range(slot * n, (slot + 1) * n))
+        return cache
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.host_lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the key and value pools hold."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     @property
     def bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take over all layers."""
         return self.nbytes // ((self.trash + 1) * self.block_size)
+
+    # -- lengths ----------------------------------------------------------------------------------
+
+    def set_lengths(self, lo: int, lengths: Sequence[int]) -> None:
+        """Slots lo.. now hold these committed lengths (one host->device copy)."""
+        n = len(lengths)
+        self.host_lengths[lo : lo + n] = list(lengths)
+        self.lengths[lo : lo + n] = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
+
+    def advance(self, lo: int, counts: torch.Tensor, host_counts: Sequence[int]) -> None:
+        """Slots lo.. grow by `counts` [R] on the device and by the same `host_counts` on the host
+        (the caller has them already: no device read here)."""
+        self.lengths[lo : lo + len(host_counts)] += counts
+        for i, c in enumerate(host_counts):
+            self.host_lengths[lo + i] += c
+
+    def starts(self, lo: int, r: int) -> torch.Tensor:
+        """Where rows lo..lo+r-1 write their next tokens: their device lengths [r] (a view)."""
+        return self.lengths[lo : lo + r]
+
+    def attended(self, lo: int, r: int, num_new: int, span: int | None = None) -> int:
+        """Keys a forward of `num_new` tokens per row over rows lo..lo+r-1 attends over: the longest
+        row's length plus `num_new`, from the host mirror; a static-shape forward attends over a
+        fixed `span` (the same shapes every step, nothing for a CUDA graph to read)."""
+        return span if span is not None else max(self.host_lengths[lo : lo + r]) + num_new
+
+    # -- rows -------------------------------------------------------------------------------------
 
     def set_table(self, slot: int, blocks: Sequence[int]) -> None:
         """Slot `slot` now owns these blocks, in position order (one host->device copy when they
@@ -68,7 +132,8 @@ class PagedKV(SlotKV):
         are vacant already)."""
         for slot in range(first, self.num_slots):
             self.set_table(slot, [])
-        super().vacate(first)
+        if any(self.host_lengths[first:]):
+            self.set_lengths(first, [0] * (self.num_slots - first))
 
     def _locate(self, lo: int, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of positions pos [R, T] of slots lo..lo+R-1."""
@@ -121,3 +186,14 @@ class PagedKV(SlotKV):
         for layer, (k, v) in enumerate(self.layer_kv()):
             k[blocks, offsets] = kv[layer, 0].transpose(0, 1).to(k.dtype)
             v[blocks, offsets] = kv[layer, 1].transpose(0, 1).to(v.dtype)
+
+    def write(self, layer: int, index: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v [R, kv_heads, T, head_dim] of one layer at `index` (`scatter_index`), cast to
+        the pools' dtype."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_put_(index, k.to(keys.dtype))
+        values.index_put_(index, v.to(values.dtype))
+
+    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's whole key and value pools [num_blocks + 1, block_size, kv_heads, head_dim]."""
+        return list(zip(self.keys, self.values))

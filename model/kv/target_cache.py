@@ -1,5 +1,5 @@
-"""The target's KV cache: the KV room's per-slot storage (model/kv/slots.py) implementing
-transformers' `Cache`, so that an HF decoder writes into it and attends over it.
+"""The target's KV cache: the KV room's paged storage (model/kv/paged.py) implementing transformers'
+`Cache`, so that an HF decoder writes into it and attends over it.
 
 Rows of a batch occupy consecutive slots `lo .. lo + R - 1`; each forward writes row r's T new
 keys/values at that row's own offset. Rolling back rejected tokens is free: a row's length simply
@@ -14,11 +14,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from model.kv.paged import PagedKV
-from model.kv.slots import SlotKV
 
 
-class RaggedKVCache(SlotKV, Cache):
-    """Per-slot KV buffers [slots, kv_heads, capacity, head_dim] for every target layer."""
+class RaggedKVCache(PagedKV, Cache):
+    """Every target layer's keys/values in block pools, rows in slots."""
 
     def __init__(
         self,
@@ -29,9 +28,13 @@ class RaggedKVCache(SlotKV, Cache):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_blocks: int,
+        block_size: int,
     ) -> None:
         Cache.__init__(self, layers=[])
-        SlotKV.__init__(self, num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device)
+        PagedKV.__init__(
+            self, num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device, num_blocks, block_size
+        )
         self._forget_forward()
 
     def _forget_forward(self) -> None:
@@ -62,28 +65,6 @@ class RaggedKVCache(SlotKV, Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
-
-
-class PagedTargetCache(PagedKV, RaggedKVCache):
-    """The target's cache over block pools (model/kv/paged.py): the same `Cache` calls, paged storage."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        max_slots: int,
-        capacity: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        num_blocks: int,
-        block_size: int,
-    ) -> None:
-        Cache.__init__(self, layers=[])
-        PagedKV.__init__(
-            self, num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device, num_blocks, block_size
-        )
-        self._forget_forward()
 
 
 def check_cache_written(cache: RaggedKVCache, num_layers: int) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.engine.sampling import SamplingBatch, pick_tokens
-from model.kv.draft_cache import DraftContextCache, PagedDraftContextCache
+from model.kv.draft_cache import DraftContextCache
 from model.nn.attention import KV_READS, can_pack, packed_gqa_attention
 
 
@@ -234,12 +234,13 @@ def new_context_cache(
     device: torch.device | str,
     paging: tuple[int, int] | None = None,
 ) -> DraftContextCache:
-    """A drafter's context cache: `max_slots` rows of `capacity` context tokens for every layer, one
-    slot each or with `paging` (num_blocks, block_size) pools of blocks (model/kv/paged.py)."""
+    """A drafter's context cache: `max_slots` rows of `capacity` context tokens for every layer in
+    pools of blocks (model/kv/paged.py), with the scheduler's `paging` (num_blocks, block_size) or a
+    fixed run of blocks per slot (None)."""
     shape = (cfg.num_hidden_layers, max_slots, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
     if paging is not None:
-        return PagedDraftContextCache(*shape, *paging)
-    return DraftContextCache(*shape)
+        return DraftContextCache(*shape, *paging)
+    return DraftContextCache.contiguous(*shape)
 
 
 @dataclass

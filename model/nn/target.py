@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.kv.target_cache import PagedTargetCache, RaggedKVCache, check_cache_written
+from model.kv.target_cache import RaggedKVCache, check_cache_written
 from model.nn.attention import use_packed_attention
 
 
@@ -85,12 +85,13 @@ class TargetModel:
             self.set_taps(wanted)
 
     def new_cache(self, max_slots: int, capacity: int, paging: tuple[int, int] | None = None) -> RaggedKVCache:
-        """A cache of `max_slots` rows of `capacity` tokens: one slot each, or with `paging`
-        (num_blocks, block_size) pools of blocks (model/kv/paged.py)."""
+        """A cache of `max_slots` rows of `capacity` tokens in pools of blocks (model/kv/paged.py):
+        `paging` (num_blocks, block_size) for the scheduler's tables, or None for a fixed run of
+        blocks per slot (benchmarks and tests that set lengths directly)."""
         shape = (self.num_layers, max_slots, capacity, self.kv_heads, self.head_dim, self.dtype, self.device)
         if paging is not None:
-            return PagedTargetCache(*shape, *paging)
-        return RaggedKVCache(*shape)
+            return RaggedKVCache(*shape, *paging)
+        return RaggedKVCache.contiguous(*shape)
 
     @torch.inference_mode()
     def forward(

@@ -668,17 +668,9 @@ def test_oversized_bodies_get_413(server: ServerProcess) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_prompts_beginning_alike_reuse_the_prefix_cache(
-    layout: str, request: pytest.FixtureRequest, greedy_reference: Any
-) -> None:
-    """A second prompt with the first's 20-token beginning reuses 16 of them: on paged storage (the
-    default) it shares one 16-token KV block, with slots it copies two 8-token prefix blocks; usage
-    and /metrics say so, and the output is still the target's alone."""
-    if layout == "paged":  # the default
-        server: ServerProcess = request.getfixturevalue("server")
-    else:
-        server = request.getfixturevalue("server_factory")(max_batch_size=4, kv_layout="slots")
+def test_prompts_beginning_alike_share_kv_blocks(server: ServerProcess, greedy_reference: Any) -> None:
+    """A second prompt with the first's 20-token beginning shares 16 of them (one 16-token KV block,
+    the default); usage and /metrics say so, and the output is still the target's alone."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     g = random.Random(5)
     system = [g.randrange(100, 500) for _ in range(20)]

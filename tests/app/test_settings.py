@@ -1,7 +1,8 @@
 """Settings names that mean one thing: DOMINO_MAX_DRAFTS caps the drafts verified per step (the
 drafter's own block size is DrafterConfig.block_size), DOMINO_KV_BLOCK_SIZE is the KV cache's block;
-DOMINO_BLOCK_SIZE, once the drafts cap, is refused with a message that names both. Bad KV settings
-fail at start-up naming the setting."""
+DOMINO_BLOCK_SIZE, once the drafts cap, is refused with a message that names both, as are the slot
+layout's retired DOMINO_KV_LAYOUT=slots and DOMINO_PREFIX_BLOCK_SIZE. Bad KV settings fail at
+start-up naming the setting."""
 
 from __future__ import annotations
 
@@ -34,21 +35,13 @@ def test_max_drafts_and_the_retired_block_size(monkeypatch: pytest.MonkeyPatch) 
 def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DOMINO_KV_CACHE_MEMORY", "64MiB")
     monkeypatch.setenv("DOMINO_KV_BLOCK_SIZE", "32")
-    monkeypatch.setenv("DOMINO_KV_LAYOUT", "paged")
+    monkeypatch.setenv("DOMINO_KV_LAYOUT", "paged")  # what storage always is now: accepted
     cfg = engine_config(Settings())
-    assert cfg.kv_cache_memory == 64 * 2**20 and cfg.kv_block_size == 32 and cfg.kv_layout == "paged"
+    assert cfg.kv_cache_memory == 64 * 2**20 and cfg.kv_block_size == 32
     monkeypatch.setenv("DOMINO_KV_CACHE_MEMORY", "0.5")
     assert engine_config(Settings()).kv_cache_memory == 0.5
     monkeypatch.delenv("DOMINO_KV_CACHE_MEMORY")
     assert engine_config(Settings()).kv_cache_memory is None
-
-
-def test_paged_prefixes_share_kv_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DOMINO_KV_LAYOUT", "paged")
-    monkeypatch.setenv("DOMINO_PREFIX_BLOCK_SIZE", "16")  # the same as the KV block: nothing to refuse
-    assert engine_config(Settings()).prefix_block_size == 16
-    monkeypatch.delenv("DOMINO_PREFIX_BLOCK_SIZE")
-    assert Settings().prefix_block_size == 8  # unset: the slot layout's default, unused on paged
 
 
 @pytest.mark.parametrize(
@@ -58,8 +51,8 @@ def test_paged_prefixes_share_kv_blocks(monkeypatch: pytest.MonkeyPatch) -> None
         ({"DOMINO_KV_CACHE_MEMORY": "lots"}, "DOMINO_KV_CACHE_MEMORY"),
         ({"DOMINO_KV_CACHE_MEMORY": "1.5"}, "DOMINO_KV_CACHE_MEMORY"),
         ({"DOMINO_BLOCK_SIZE": "4"}, "DOMINO_MAX_DRAFTS"),
-        ({"DOMINO_KV_LAYOUT": "pages"}, "kv_layout"),
-        ({"DOMINO_KV_LAYOUT": "paged", "DOMINO_PREFIX_BLOCK_SIZE": "8"}, "DOMINO_KV_BLOCK_SIZE (16)"),
+        ({"DOMINO_KV_LAYOUT": "slots"}, "DOMINO_KV_LAYOUT=slots was retired"),
+        ({"DOMINO_PREFIX_BLOCK_SIZE": "8"}, "DOMINO_PREFIX_BLOCK_SIZE was retired"),
     ],
 )
 def test_bad_kv_settings_stop_the_server_at_start_naming_the_setting(env: dict[str, str], message: str) -> None:

@@ -191,7 +191,7 @@ def test_a_forward_whose_cache_was_not_written_is_an_error() -> None:
 
 
 def test_check_cache_written_needs_each_layer_once() -> None:
-    cache = RaggedKVCache(3, 1, 8, 1, 4, torch.float32, "cpu")
+    cache = RaggedKVCache.contiguous(3, 1, 8, 1, 4, torch.float32, "cpu")
     cache.written = [0, 1, 2]
     check_cache_written(cache, 3)
     for wrong in ([0, 2], [0, 1, 1, 2], []):

@@ -108,21 +108,19 @@ def test_the_budget_takes_bytes_fractions_and_never_more_than_there_is() -> None
         kv_budget(there_is + 1, cpu)
 
 
-def _engine(
-    kv_cache_memory: int | None, batch: int = 4, mode: str = "domino", layout: str = "slots", **kwargs: object
-) -> Engine:
+def _engine(kv_cache_memory: int | None, batch: int = 4, mode: str = "domino", **kwargs: object) -> Engine:
     drafter = None if mode in ("ar", "ngram") else tiny_drafter(domino=mode == "domino")
     return Engine(
         TargetModel(tiny_target()), drafter, mode=mode, max_batch_size=batch, max_model_len=64, kv_block_size=8,
-        kv_cache_memory=kv_cache_memory, draft_policy="fixed", kv_layout=layout, **kwargs,
+        kv_cache_memory=kv_cache_memory, draft_policy="fixed", **kwargs,
     )  # fmt: skip
 
 
-def _small_engine(rows: int, mode: str = "domino", layout: str = "slots", **kwargs: object) -> Engine:
+def _small_engine(rows: int, mode: str = "domino", **kwargs: object) -> Engine:
     """An engine whose KV budget holds `rows` rows at max_model_len (64 tokens), with 4 rows to run."""
     big = _engine(None, mode=mode, **kwargs)
     per_row = (big.runner.lookahead + big.max_model_len + 7) // 8
-    return _engine(rows * per_row * 8 * big.runner.bytes_per_token, mode=mode, layout=layout, **kwargs)
+    return _engine(rows * per_row * 8 * big.runner.bytes_per_token, mode=mode, **kwargs)
 
 
 def test_a_budget_that_cannot_hold_one_row_fails_at_start_naming_the_setting() -> None:
@@ -159,12 +157,11 @@ PROMPTS = _prompts(6)
 BUDGETS = [40, 45, 50, 30, 44, 38]
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
 @pytest.mark.parametrize("mode", ["ar", "ngram", "dflash", "domino"])
-def test_preemption_by_recompute_keeps_every_output_exact(mode: str, layout: str) -> None:
+def test_preemption_by_recompute_keeps_every_output_exact(mode: str) -> None:
     """Six requests, four rows, blocks for two rows at max_model_len: rows are preempted (the newest
     first) and recomputed, and every output is still HF greedy's, token for token."""
-    engine = _small_engine(2, mode=mode, layout=layout)
+    engine = _small_engine(2, mode=mode)
     assert engine.runner.rows_at_max_len == 2
     model = tiny_target()
     refs = [_hf_greedy(model, p, n) for p, n in zip(PROMPTS, BUDGETS)]
@@ -172,13 +169,12 @@ def test_preemption_by_recompute_keeps_every_output_exact(mode: str, layout: str
     assert engine.num_preemptions > 0
 
 
-@pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_seeded_sampling_through_preemption_is_what_it_is_without(layout: str) -> None:
+def test_seeded_sampling_through_preemption_is_what_it_is_without() -> None:
     """A preempted row resumes with no new random draw: seeded rows sample the same text as in an
     engine with room for every row."""
     params = [SamplingParams(max_new_tokens=n, temperature=0.9, top_k=20, seed=100 + i) for i, n in enumerate(BUDGETS)]
-    roomy = _run(_engine(None, layout=layout), PROMPTS, params)
-    small = _small_engine(2, layout=layout)
+    roomy = _run(_engine(None), PROMPTS, params)
+    small = _small_engine(2)
     assert _run(small, PROMPTS, params) == roomy
     assert small.num_preemptions > 0
 
@@ -197,14 +193,14 @@ def test_a_preempted_row_scores_its_prompt_once() -> None:
     assert scored == {f"r{i}": 1 for i in range(len(PROMPTS))}
 
 
-def test_paged_pools_hold_the_budget_not_the_batch_times_the_length() -> None:
-    """max_batch_size 64 x max_model_len 2048 with a budget of 8 x 2048 tokens: the paged pools hold
-    the budget's bytes (slots would hold 64 x 2048 tokens'), and 64 short rows all run in one step."""
+def test_pools_hold_the_budget_not_the_batch_times_the_length() -> None:
+    """max_batch_size 64 x max_model_len 2048 with a budget of 8 x 2048 tokens: the pools hold the
+    budget's bytes (a slot per row would hold 64 x 2048 tokens'), and 64 short rows all run in one step."""
     probe = Engine(TargetModel(tiny_target()), tiny_drafter(), mode="domino", max_batch_size=1, max_model_len=64)
     budget = 8 * 2048 * probe.runner.bytes_per_token
     engine = Engine(
         TargetModel(tiny_target()), tiny_drafter(), mode="domino", max_batch_size=64, max_model_len=2048,
-        kv_cache_memory=budget, kv_layout="paged", draft_policy="fixed",
+        kv_cache_memory=budget, draft_policy="fixed",
     )  # fmt: skip
     held = engine.cache.nbytes + engine.draft_cache.nbytes
     trash = 16 * engine.runner.bytes_per_token  # the one block no row owns

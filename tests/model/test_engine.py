@@ -16,7 +16,6 @@ from model.engine.proposers import Proposal
 from model.engine.requests import ContextLengthError
 from model.engine.row import Row
 from model.engine.sampling import SamplingBatch
-from model.kv.prefix_cache import CachedBlock
 from model.nn.target import TargetModel
 from tests.helpers import assert_lengths_mirrored, tiny_drafter, tiny_target
 
@@ -37,15 +36,9 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-LAYOUTS = ["slots", "paged"]  # KV storage: a slot per row, or pools of blocks (model/kv/paged.py)
-
-
-def _engine(model, mode: str, batch: int, layout: str = "slots", **kwargs) -> Engine:
+def _engine(model, mode: str, batch: int, **kwargs) -> Engine:
     drafter = tiny_drafter(domino=True) if mode != "ar" else None
-    if layout == "paged":  # small blocks: rows cross many block boundaries
-        kwargs = {"kv_layout": "paged", "kv_block_size": 4, **kwargs}
-    else:
-        kwargs = {"kv_layout": "slots", **kwargs}
+    kwargs = {"kv_block_size": 4, **kwargs}  # small blocks: rows cross many block boundaries
     return Engine(TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, **kwargs)
 
 
@@ -63,12 +56,11 @@ def target_and_refs(request):
 GREEDY_CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("mode", "batch", "policy"), GREEDY_CASES)
-def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str, layout: str) -> None:
+def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
     """Rows of different lengths and budgets; with batch < 8 rows join as others finish."""
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, batch, layout, draft_policy=policy)
+    engine = _engine(model, mode, batch, draft_policy=policy)
     params = [SamplingParams(max_new_tokens=n) for n in budgets]
     results = engine.generate(prompts, params)
     for (tokens, stats, reason), ref in zip(results, refs):
@@ -87,11 +79,10 @@ def test_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, poli
         assert engine.draft_forwards > 0  # the adaptive policy starts by drafting
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_rows_join_while_others_decode(target_and_refs, mode: str, layout: str) -> None:
+def test_rows_join_while_others_decode(target_and_refs, mode: str) -> None:
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, 4, layout)
+    engine = _engine(model, mode, 4)
     tokens: dict[str, list[int]] = {}
     pending = list(range(8))
     steps = 0
@@ -267,10 +258,9 @@ def test_invalid_requests_are_rejected() -> None:
         engine.add_request("x", [1], SamplingParams(top_p=0.0))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_abort_frees_the_slot(layout: str) -> None:
+def test_abort_frees_the_slot() -> None:
     model = tiny_target()
-    engine = _engine(model, "domino", 1, layout)
+    engine = _engine(model, "domino", 1)
     engine.add_request("long", [1, 2, 3], SamplingParams(max_new_tokens=80))
     engine.add_request("next", [4, 5], SamplingParams(max_new_tokens=3))
     engine.step()
@@ -288,22 +278,21 @@ def test_abort_frees_the_slot(layout: str) -> None:
     assert done["next"] == _hf_greedy(model, [4, 5], 3)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_seeded_sampling_same_alone_and_in_batch(layout: str) -> None:
+def test_seeded_sampling_same_alone_and_in_batch() -> None:
     model = tiny_target()
     prompts = _prompts(6)
     seeded = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
-    alone = _engine(model, "domino", 1, layout).generate([prompts[0]], seeded)[0][0]
+    alone = _engine(model, "domino", 1).generate([prompts[0]], seeded)[0][0]
     others = [
         SamplingParams(max_new_tokens=n, temperature=t) for n, t in zip([5, 30, 12, 9, 18], [1.0, 0, 0.7, 1.3, 0])
     ]
-    batch = _engine(model, "domino", 4, layout).generate(
+    batch = _engine(model, "domino", 4).generate(
         [prompts[3], prompts[1], prompts[0], *prompts[2:5]], [others[0], others[1], seeded, *others[2:5]]
     )
     assert batch[2][0] == alone
-    again = _engine(model, "domino", 3, layout).generate([prompts[0], prompts[5]], [seeded, others[1]])[0][0]
+    again = _engine(model, "domino", 3).generate([prompts[0], prompts[5]], [seeded, others[1]])[0][0]
     assert again == alone
-    different = _engine(model, "domino", 1, layout).generate(
+    different = _engine(model, "domino", 1).generate(
         [prompts[0]], SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99)
     )[0][0]
     assert different != alone
@@ -352,7 +341,7 @@ def test_prompt_logprobs_are_the_targets_forward(mode: str) -> None:
     generating row next to them is unchanged."""
     model = tiny_target()
     prompts = _prompts(4)
-    engine = _engine(model, mode, 4, prefill_split_tokens=0, prefix_cache_tokens=64, prefix_block_size=2)
+    engine = _engine(model, mode, 4, prefill_split_tokens=0, prefix_cache_tokens=64)
     engine.generate([prompts[1][:10]], SamplingParams(max_new_tokens=2))  # fills the prefix cache
     params = [
         SamplingParams(max_new_tokens=0, prompt_logprobs=2),
@@ -382,9 +371,8 @@ def test_prompt_logprobs_are_the_targets_forward(mode: str) -> None:
     assert engine.rows == [] and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fail_at", [1, 4])
-def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int, layout: str) -> None:
+def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int) -> None:
     """A decode step that fails in the drafter's append_context (after the verify forward) is retried
     row by row; the target cache must not have advanced for it, nor the drafter's context, so the
     retry continues exactly where the failed step started: output token-identical to the target alone."""
@@ -392,7 +380,7 @@ def test_drafter_append_failing_once_keeps_caches_consistent(fail_at: int, layou
     prompts = _prompts(3)
     budgets = [14, 9, 12]
     refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    engine = _engine(model, "domino", 3, layout, draft_policy="fixed")
+    engine = _engine(model, "domino", 3, draft_policy="fixed")
     assert engine.drafter is not None
     real_append = engine.drafter.append_context
     calls = 0
@@ -479,26 +467,24 @@ def test_prefill_groups_split_where_padding_costs_more_than_a_forward() -> None:
     assert cost(groups) <= min(cost([(0, len(lengths))]), cost([(i, i + 1) for i in range(len(lengths))]))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_prefill_of_very_different_prompt_lengths_matches_each_alone(layout: str) -> None:
+def test_prefill_of_very_different_prompt_lengths_matches_each_alone() -> None:
     """Rows admitted together are split into several prompt forwards; each row's greedy output is
     still the target's alone, and the drafter's context follows each group."""
     model = tiny_target()
     prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
     refs = [_hf_greedy(model, p, 12) for p in prompts]
     for mode in ("ar", "domino"):
-        engine = _engine(model, mode, 4, layout)
+        engine = _engine(model, mode, 4)
         results = engine.generate(prompts, SamplingParams(max_new_tokens=12))
         assert [t for t, _, _ in results] == refs, mode
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_split_prefill_fills_both_caches_as_one_forward_does(layout: str) -> None:
+def test_split_prefill_fills_both_caches_as_one_forward_does() -> None:
     model = tiny_target()
     prompts = [list(range(3, 6)), list(range(10, 70)), list(range(20, 24)), list(range(5, 80))]
     engines = []
     for split in (32, 10**6):
-        engine = _engine(model, "domino", 4, layout, prefill_split_tokens=split)  # the same seeded drafter
+        engine = _engine(model, "domino", 4, prefill_split_tokens=split)  # the same seeded drafter
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_new_tokens=4))
         engine.step()  # the prefill
@@ -520,15 +506,14 @@ def _shared_beginning_prompts() -> list[list[int]]:
     return [system + t for t in tails] + [system[:10] + tails[0]]  # the last shares only 10 tokens
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["ar", "domino"])
-def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str, layout: str) -> None:
-    """Prompts beginning alike copy the stored blocks (block 4: 20 of the 21 shared tokens, 8 of the
-    10 the last prompt shares) and forward the rest; every output is still the target's alone."""
+def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str) -> None:
+    """Prompts beginning alike share the indexed blocks (block 4: 20 of the 21 shared tokens, 8 of
+    the 10 the last prompt shares) and forward the rest; every output is still the target's alone."""
     model = tiny_target()
     prompts = _shared_beginning_prompts()
     refs = [_hf_greedy(model, p, 10) for p in prompts]
-    engine = _engine(model, mode, 2, layout, prefix_cache_tokens=256, prefix_block_size=4)
+    engine = _engine(model, mode, 2, prefix_cache_tokens=256)
     results = engine.generate(prompts[:1], SamplingParams(max_new_tokens=10))  # fills the cache
     results += engine.generate(prompts[1:], SamplingParams(max_new_tokens=10))
     assert [t for t, _, _ in results] == refs
@@ -536,20 +521,15 @@ def test_prefix_cache_reuses_shared_beginnings_and_stays_exact(mode: str, layout
     # Prompt 2 is the 21 shared tokens plus one: all 5 shared blocks. Rows admitted together
     # (2 and 3, then 4 and 5) find what earlier admissions stored.
     assert cached == [0, 20, 20, 20, 20, 8]
-    if layout == "slots":
-        assert engine.prefix_cache.hit_tokens == sum(cached)
-        assert engine.prefix_cache.num_tokens <= 256
-    else:  # shared blocks, indexed in the pool: nothing copies
-        assert engine.prefix_cache is None and engine.kv_blocks.num_indexed >= 5
+    assert engine.kv_blocks.num_indexed >= 5  # shared blocks, indexed in the pool: nothing copies
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_prefix_cache_fills_both_caches_as_a_full_prefill_does(layout: str) -> None:
+def test_prefix_cache_fills_both_caches_as_a_full_prefill_does() -> None:
     model = tiny_target()
     first, second = _shared_beginning_prompts()[:2]
     engines = []
     for tokens in (256, 0):
-        engine = _engine(model, "domino", 2, layout, prefix_cache_tokens=tokens, prefix_block_size=4)
+        engine = _engine(model, "domino", 2, prefix_cache_tokens=tokens)
         engine.generate([first], SamplingParams(max_new_tokens=2))
         engine.add_request("r", second, SamplingParams(max_new_tokens=4))
         engine.step()  # the prefill
@@ -563,13 +543,13 @@ def test_prefix_cache_fills_both_caches_as_a_full_prefill_does(layout: str) -> N
         torch.testing.assert_close(a.row_kv(0, 0, n), b.row_kv(0, 0, n), atol=1e-5, rtol=1e-5)
 
 
-def test_paged_prefixes_are_shared_blocks_never_written() -> None:
-    """On paged storage a prompt that begins like a running one takes that row's blocks by
+def test_shared_prefix_blocks_are_never_written() -> None:
+    """A prompt that begins like a running one takes that row's blocks by
     reference (the same block ids, one more reference each, no copy), and neither row ever writes
     into them: their contents are unchanged after both rows decoded, and both answers are exact."""
     model = tiny_target()
     first, second = _shared_beginning_prompts()[:2]
-    engine = _engine(model, "domino", 2, "paged", prefix_cache_tokens=256)  # blocks of 4
+    engine = _engine(model, "domino", 2, prefix_cache_tokens=256)  # blocks of 4
     pool = engine.kv_blocks
     engine.add_request("a", first, SamplingParams(max_new_tokens=12))
     engine.step()
@@ -578,7 +558,7 @@ def test_paged_prefixes_are_shared_blocks_never_written() -> None:
     tables = engine.runner.blocks
     shared = tables.table("a")[:5]  # 20 of the 21 shared tokens
     assert tables.table("b")[:5] == shared and tables.table("b")[5] not in tables.table("a")
-    assert [pool.ref_counts[b] for b in shared] == [2] * 5 and engine.prefix_cache is None
+    assert [pool.ref_counts[b] for b in shared] == [2] * 5
     caches = [engine.runner.cache, engine.runner.draft_cache]
     before = [torch.stack([k[shared] for k, _ in c.layer_kv()] + [v[shared] for _, v in c.layer_kv()]) for c in caches]
     tokens: dict[str, list[int]] = {"a": [], "b": []}
@@ -589,19 +569,3 @@ def test_paged_prefixes_are_shared_blocks_never_written() -> None:
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     assert tokens == {"a": _hf_greedy(model, first, 12)[1:], "b": _hf_greedy(model, second, 12)[1:]}
     assert pool.num_used == 0 and pool.num_indexed >= 5  # freed, but still indexed for the next prompt
-
-
-def test_prefix_cache_evicts_to_its_budget_and_checks_tokens_not_just_hashes() -> None:
-    model = tiny_target()
-    prompts = _prompts(8)
-    refs = [_hf_greedy(model, p, 6) for p in prompts]
-    engine = _engine(model, "domino", 1, prefix_cache_tokens=8, prefix_block_size=4)  # two blocks
-    assert [t for t, _, _ in engine.generate(prompts + prompts, SamplingParams(max_new_tokens=6))] == refs + refs
-    cache = engine.prefix_cache
-    assert cache.num_tokens <= 8 and len(cache.blocks) <= 2
-    # A stored block whose key matches but whose tokens differ (as a hash collision would) is never used.
-    probe = list(range(40, 52))
-    cache.blocks.clear()
-    key, _ = cache._chain(probe)[0]
-    cache.blocks[key] = CachedBlock((1, 2, 3, 4), None, [])
-    assert cache.lookup(probe) == []

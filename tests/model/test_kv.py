@@ -1,4 +1,4 @@
-"""The KV room's interface (model/kv/slots.py): host lengths that mirror the device's through an
+"""The KV room's storage (model/kv/paged.py): host lengths that mirror the device's through an
 engine's whole life, row moves and row reads, dtype casts on write, and one cache layout."""
 
 from __future__ import annotations
@@ -25,16 +25,15 @@ def _hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize(("layout", "static_shapes"), [("slots", False), ("slots", True), ("paged", False)])
-def test_host_lengths_mirror_the_device_after_every_step(layout: str, static_shapes: bool) -> None:
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_host_lengths_mirror_the_device_after_every_step(static_shapes: bool) -> None:
     """Rows joining (one every other step) and leaving (finished, aborted), steps that fail in the
     drafter's append and are retried row by row, prefix-cache hits, a sampled row: after every step
     each cache's host lengths equal its device lengths, in every slot. Greedy rows stay exact."""
     model = tiny_target()
     engine = Engine(
         TargetModel(model), tiny_drafter(domino=True), mode="domino", max_batch_size=3, max_model_len=96,
-        draft_policy="fixed", prefix_cache_tokens=256, prefix_block_size=4, static_shapes=static_shapes,
-        kv_layout=layout, kv_block_size=4,
+        draft_policy="fixed", prefix_cache_tokens=256, static_shapes=static_shapes, kv_block_size=4,
     )  # fmt: skip
     assert engine.drafter is not None
     real_append = engine.drafter.append_context
@@ -78,7 +77,7 @@ def test_host_lengths_mirror_the_device_after_every_step(layout: str, static_sha
 
 
 def test_move_row_and_row_kv_use_the_host_lengths() -> None:
-    cache = DraftContextCache(2, 3, 8, 2, 4, torch.float32, "cpu")
+    cache = DraftContextCache.contiguous(2, 3, 8, 2, 4, torch.float32, "cpu", block_size=4)
     index = cache.scatter_index(0, cache.starts(0, 2), 5)
     for layer in range(2):
         cache.write(layer, index, torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))
@@ -97,7 +96,7 @@ def test_move_row_and_row_kv_use_the_host_lengths() -> None:
 @pytest.mark.parametrize("cache_type", [RaggedKVCache, DraftContextCache])
 def test_writes_cast_to_the_cache_dtype(cache_type: type) -> None:
     """Both caches store what they are given in their own dtype (an fp32 drafter over a bf16 cache)."""
-    cache = cache_type(1, 2, 6, 1, 4, torch.bfloat16, "cpu")
+    cache = cache_type.contiguous(1, 2, 6, 1, 4, torch.bfloat16, "cpu", block_size=4)
     k = torch.randn(2, 1, 3, 4, dtype=torch.float32)
     cache.write(0, cache.scatter_index(0, cache.starts(0, 2), 3), k, 2 * k)
     assert cache.keys[0].dtype == torch.bfloat16

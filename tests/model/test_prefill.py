@@ -27,7 +27,7 @@ def _prefiller(split_tokens: int) -> tuple[Prefiller, TargetModel]:
     draft_cache = new_context_cache(drafter.config, 4, 32, target.dtype, target.device)
     taps = list(drafter.config.target_layer_ids)
     return Prefiller(
-        target, cache, drafter, draft_cache, None, taps, True, False, split_tokens, lambda rows, lo: None
+        target, cache, drafter, draft_cache, taps, True, False, split_tokens, lambda rows, lo: None
     ), target
 
 

@@ -20,15 +20,10 @@ from tests.model.test_engine import _hf_greedy, _prompts, oracle_engine
 MODES = ("ar", "ngram", "dflash", "domino")
 
 
-LAYOUTS = ["slots", "paged"]
-
-
-def _engine(model: Any, mode: str, batch: int, static: bool = True, layout: str = "slots", **kwargs: Any) -> Engine:
+def _engine(model: Any, mode: str, batch: int, static: bool = True, **kwargs: Any) -> Engine:
     drafter = tiny_drafter(domino=True) if mode in ("dflash", "domino") else None
-    if layout == "paged":  # small blocks, and two spans (26 and the capacity) that rows grow across
-        kwargs = {"kv_layout": "paged", "kv_block_size": 4, "static_min_span": 16, **kwargs}
-    else:
-        kwargs = {"kv_layout": "slots", **kwargs}
+    # Small blocks, and two spans (26 and the capacity) that rows grow across.
+    kwargs = {"kv_block_size": 4, "static_min_span": 16, **kwargs}
     return Engine(
         TargetModel(model), drafter, mode=mode, max_batch_size=batch, max_model_len=96, static_shapes=static, **kwargs
     )
@@ -61,11 +56,10 @@ def test_buckets() -> None:
 CASES = [(m, b, "fixed") for m in MODES for b in (1, 3, 8)] + [(m, 3, "adaptive") for m in MODES[1:]]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("mode", "batch", "policy"), CASES)
-def test_static_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str, layout: str) -> None:
+def test_static_greedy_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, batch, layout=layout, draft_policy=policy)
+    engine = _engine(model, mode, batch, draft_policy=policy)
     assert engine.static is not None
     results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
     assert [tokens for tokens, _, _ in results] == refs
@@ -79,16 +73,15 @@ def test_static_greedy_matches_hf_generate(target_and_refs, mode: str, batch: in
         assert sum(f.calls for f in engine.static.propose.values()) > 0
     else:
         assert not engine.static.propose
-    if layout == "paged":  # rows grew across the spans: both ran
-        assert {c for (_, _, c), f in engine.static.verify.items() if f.calls} == set(engine.static.spans)
+    # Rows grew across the spans: both ran.
+    assert {c for (_, _, c), f in engine.static.verify.items() if f.calls} == set(engine.static.spans)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", MODES)
-def test_static_rows_join_mid_decode(target_and_refs, mode: str, layout: str) -> None:
+def test_static_rows_join_mid_decode(target_and_refs, mode: str) -> None:
     """Requests join every other step, so batches grow and shrink across buckets (1 -> 2 -> 4)."""
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, 4, layout=layout)
+    engine = _engine(model, mode, 4)
     tokens: dict[str, list[int]] = {}
     pending, steps, sizes = list(range(8)), 0, set()
     while pending or engine.has_unfinished():
@@ -138,9 +131,9 @@ def test_static_seeded_sampling_same_as_dynamic() -> None:
         SamplingParams(max_new_tokens=20, temperature=1.2, seed=7),
         SamplingParams(max_new_tokens=9, temperature=0.7, top_k=5, seed=99),
     ]
-    for mode, layout in [("domino", "slots"), ("ngram", "slots"), ("domino", "paged")]:
-        dynamic = _engine(model, mode, 4, static=False, layout=layout).generate(prompts, params)
-        static = _engine(model, mode, 4, static=True, layout=layout).generate(prompts, params)
+    for mode in ("domino", "ngram"):
+        dynamic = _engine(model, mode, 4, static=False).generate(prompts, params)
+        static = _engine(model, mode, 4, static=True).generate(prompts, params)
         assert [t for t, _, _ in static] == [t for t, _, _ in dynamic]
 
 
@@ -161,12 +154,12 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize(("kind", "layout"), [("qwen3", "slots"), ("llama", "slots"), ("qwen3", "paged")])
-def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str, layout: str) -> None:
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str) -> None:
     """A CUDA graph cannot contain a host sync: the static verify and proposal functions must not
     read any device value. Nor does a dynamic forward (target or drafter) to size itself, or a row
-    move: the longest row's length comes from the caches' host mirror (model/kv/slots.py)."""
-    engine = _engine(tiny_target(kind), "domino", 3, layout=layout)
+    move: the longest row's length comes from the caches' host mirror (model/kv/paged.py)."""
+    engine = _engine(tiny_target(kind), "domino", 3)
     engine.add_request("a", _prompts(1)[0], SamplingParams(max_new_tokens=6))
     engine.add_request("b", _prompts(2)[1][:5], SamplingParams(max_new_tokens=6))
     engine.step()  # the prefill: rows with real, unequal lengths
@@ -189,11 +182,10 @@ def test_no_forward_and_no_row_move_reads_back_to_the_host(kind: str, layout: st
     assert probe.reads
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_padded_slots_are_never_counted(layout: str) -> None:
+def test_padded_slots_are_never_counted() -> None:
     """Batch 3 runs in the 4-row bucket: the padding slot's cache length never moves."""
     model = tiny_target()
-    engine = _engine(model, "domino", 3, layout=layout, draft_policy="fixed")
+    engine = _engine(model, "domino", 3, draft_policy="fixed")
     assert engine.cache.num_slots == 4
     engine.generate(_prompts(3), SamplingParams(max_new_tokens=12))
     assert engine.cache.host_lengths[3] == int(engine.cache.lengths[3]) == 0
@@ -203,14 +195,14 @@ def _block_snapshot(engine: Engine) -> list[torch.Tensor]:
     return [t.clone() for c in (engine.cache, engine.draft_cache) for k, v in c.layer_kv() for t in (k, v)]
 
 
-def test_paged_padding_rows_never_write_a_live_block() -> None:
-    """Batch 3 in the 4-row bucket on paged storage, with the padding slot's table pointing at a live
+def test_padding_rows_never_write_a_live_block() -> None:
+    """Batch 3 in the 4-row bucket, with the padding slot's table pointing at a live
     row's blocks and a stale length inside them (what a departed row leaves when its blocks go to
     another row): the step vacates the slot first, so around the padded verify and proposal every
     block keeps its committed positions, and nothing but the live rows' own new positions and the
     trash block changes."""
     model = tiny_target()
-    engine = _engine(model, "domino", 3, layout="paged", draft_policy="fixed")
+    engine = _engine(model, "domino", 3, draft_policy="fixed")
     prompts = _prompts(3)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_new_tokens=40))
@@ -239,15 +231,15 @@ def test_paged_padding_rows_never_write_a_live_block() -> None:
     assert engine.cache.host_tables[3] == [] and engine.cache.host_lengths[3] == 0
 
 
-def test_paged_static_steps_read_what_the_longest_row_needs_not_the_capacity() -> None:
+def test_static_steps_read_what_the_longest_row_needs_not_the_capacity() -> None:
     """KV bytes read by a static step with a 1k-token row: the same at max_model_len 32k as at 2k
-    (the span is taken from the longest live row; with slots it would be 16x)."""
+    (the span is taken from the longest live row; over the capacity it would be 16x)."""
     model = tiny_target()
     prompt = _prompts(1)[0] * 40  # ~1k tokens
     reads = {}
     for max_len in (2048, 32768):
         engine = Engine(TargetModel(model), None, mode="ar", max_batch_size=1, max_model_len=max_len,
-                        static_shapes=True, kv_layout="paged")  # fmt: skip
+                        static_shapes=True)  # fmt: skip
         engine.add_request("a", prompt, SamplingParams(max_new_tokens=4))
         engine.step()
         before = engine.kv_bytes_read
@@ -265,7 +257,7 @@ def test_pools_tables_and_lengths_never_move() -> None:
 
     def build(memory: int | None = None) -> Engine:
         return Engine(target, drafter, mode="domino", max_batch_size=4, max_model_len=64, static_shapes=True,
-                      kv_layout="paged", kv_block_size=4, static_min_span=16, kv_cache_memory=memory,
+                      kv_block_size=4, static_min_span=16, kv_cache_memory=memory,
                       draft_policy="fixed")  # fmt: skip
 
     row_bytes = build().runner.bytes_per_token * 80  # a row at max_model_len and its lookahead, about
