@@ -65,6 +65,11 @@ class Metrics:
         preemptions = counter(
             "domino_num_preemptions", "Running requests taken out of the batch for want of KV blocks, to be recomputed."
         )
+        prefill_chunks = counter(
+            "domino_prefill_chunks",
+            "Prompt chunks forwarded by chunked prefill (DOMINO_MAX_NUM_BATCHED_TOKENS); more chunks than "
+            "prompts: long prompts shared steps with decoding.",
+        )
         kv_bytes_read = counter(
             "domino_kv_bytes_read", "Bytes of keys and values the engine's attention read (the span it attends over)."
         )
@@ -79,6 +84,7 @@ class Metrics:
         self.request_errors = errors.labels(m)
         self.preemptions = preemptions.labels(m)
         self.kv_bytes_read = kv_bytes_read.labels(m)
+        self.prefill_chunks = prefill_chunks.labels(m)
 
     def _add_histograms(self, num_draft_positions: int, max_batch_size: int) -> None:
         histogram, m = self._histogram, self.model_name

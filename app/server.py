@@ -47,6 +47,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         static_shapes=None if settings.static_shapes == "auto" else settings.static_shapes == "on",
         cuda_graphs=settings.cuda_graphs,
         prefix_cache_tokens=settings.prefix_cache_tokens,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_memory=parse_memory(settings.kv_cache_memory) if settings.kv_cache_memory is not None else None,
         kv_block_size=settings.kv_block_size,
     )

@@ -124,6 +124,13 @@ class Settings(BaseSettings):
         "0.9 on a GPU",
     )
     kv_block_size: int = Field(16, description="tokens per KV cache block, a power of two")
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="chunked prefill: tokens one engine step may forward, decoding requests first (each its "
+        "verify width), prompt chunks in what is left (at least a quarter of it a step), so that a long "
+        "prompt shares steps with running streams; unset: whole prompts, each admission a step of its own",
+    )
     prefix_cache_tokens: int = Field(
         4096,
         ge=0,

@@ -116,6 +116,7 @@ class EngineWorker:
         self.metrics = metrics
         self._preemptions = 0  # the engine's count already added to the metrics
         self._kv_bytes_read = 0  # likewise
+        self._prefill_chunks = 0  # likewise
         self.capacity = engine.max_batch_size + max_waiting
         self.processor_factory = processor_factory
         self.token_texts = TokenTexts(self.tokenizer)
@@ -425,6 +426,9 @@ class EngineWorker:
         if self.engine.kv_bytes_read > self._kv_bytes_read:
             self.metrics.kv_bytes_read.inc(self.engine.kv_bytes_read - self._kv_bytes_read)
             self._kv_bytes_read = self.engine.kv_bytes_read
+        if self.engine.num_prefill_chunks > self._prefill_chunks:
+            self.metrics.prefill_chunks.inc(self.engine.num_prefill_chunks - self._prefill_chunks)
+            self._prefill_chunks = self.engine.num_prefill_chunks
 
 
 def _stats(out: RequestOutput) -> RequestStats:

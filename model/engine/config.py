@@ -36,6 +36,10 @@ class EngineConfig:
     # Paged static steps attend over the capacity, or a quarter of it, a sixteenth, ... down to no
     # less than this many positions (model/engine/static.py: span_buckets).
     static_min_span: int = 512
+    # Chunked prefill: tokens one step may forward, decoding rows first (each its verify width),
+    # prompt chunks in what is left, at least max(1, budget // 4) a step. None: whole prompts, in
+    # steps of their own (and prefill_split_tokens groups them).
+    max_num_batched_tokens: int | None = None
 
     def check(self) -> None:
         """ValueError naming the field, for values no engine can run with."""
@@ -54,5 +58,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if isinstance(self.kv_cache_memory, float) and self.kv_cache_memory > 1:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")

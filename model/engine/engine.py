@@ -26,10 +26,11 @@ from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
 from model.engine.ngram import NgramIndex
 from model.engine.policy import DraftPolicy
+from model.engine.prefill import PrefillResult
 from model.engine.proposers import DraftProposer, NgramProposer
 from model.engine.rejection import accept, assemble_drafts
 from model.engine.requests import RequestOutput, RequestStats, SamplingParams, StepTiming, check_prompt
-from model.engine.row import Row, commit, seed_generator
+from model.engine.row import Row, cache_ids, commit, seed_generator
 from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
 from model.engine.step import DecodeStep, StepResults
@@ -96,7 +97,12 @@ class Engine:
             ngram_max_drafts=self.ngram_max_drafts,
             prior=prior_curve_for(target.device, target.dtype),
         )
-        self.rows: list[Row] = []  # row i lives in cache slot i
+        self.rows: list[Row] = []  # decoding row i lives in cache slot i
+        # Chunked prefill (EngineConfig.max_num_batched_tokens): admitted rows whose prompt is not
+        # all in the caches yet, oldest first, in the slots after the decoding rows'.
+        self.token_budget = cfg.max_num_batched_tokens if not self.runner.capture else None
+        self.prefilling: list[Row] = []
+        self.num_prefill_chunks = 0  # prompt chunks forwarded (each a forward of one row's next tokens)
         self.scheduler = Scheduler(
             cfg.max_batch_size, self.runner.blocks, self.runner.lookahead, self.runner.share_prefixes
         )
@@ -108,7 +114,7 @@ class Engine:
     # -- public API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         check_prompt(prompt_ids, params, self.target.vocab_size, self.max_model_len)
-        if any(row.request_id == request_id for row in [*self.scheduler, *self.rows]):
+        if any(row.request_id == request_id for row in [*self.scheduler, *self.rows, *self.prefilling]):
             raise ValueError(f"request id {request_id!r} is already running or waiting")
         seed = (
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
@@ -126,12 +132,12 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; it leaves the batch at the start of the next step."""
-        for row in [*self.scheduler, *self.rows]:
+        for row in [*self.scheduler, *self.rows, *self.prefilling]:
             if row.request_id == request_id:
                 row.aborted = True
 
     def has_unfinished(self) -> bool:
-        return bool(self.rows or len(self.scheduler))
+        return bool(self.rows or self.prefilling or len(self.scheduler))
 
     @property
     def max_drafts_per_step(self) -> int:
@@ -140,7 +146,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.prefilling)
 
     @property
     def num_waiting(self) -> int:
@@ -188,6 +194,8 @@ class Engine:
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_aborted(outputs)
+        if self.token_budget is not None:
+            return self._chunked_step(outputs)
         new = self.scheduler.admit(self.rows)
         if new:
             states = [row.generator.bit_generator.state for row in new]
@@ -207,10 +215,81 @@ class Engine:
                         self.scheduler.release(row)
                         outputs.append(self._error_output(row, exc))
         elif self.rows:
+            self._decode_running(outputs)
+        return outputs
+
+    def _chunked_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Chunked prefill: admit into the prefilling rows, decode the decoding rows, then spend
+        what is left of the token budget on prompt chunks, oldest request first."""
+        new = self.scheduler.admit([*self.rows, *self.prefilling])
+        if new:
+            self.policy.on_admit()
+            for row in new:  # its slot holds its blocks and shared positions from now on
+                self.runner.seat(row, len(self.rows) + len(self.prefilling))
+                self.prefilling.append(row)
+        decoded = 0
+        if self.rows:
+            decoded = len(self.rows) * (self.max_drafts_per_step + 1)  # a bound, if the step fails
+            self.last_timing = None
+            self._decode_running(outputs)
+            if self.last_timing is not None and self.last_timing.kind == "decode":
+                decoded = self.last_timing.batch_size * (self.last_timing.num_drafts + 1)
+        if self.prefilling:
+            assert self.token_budget is not None
+            # Decoding may use the whole budget; a prompt still moves by a minimum chunk a step.
+            outputs.extend(self._prefill_chunks(max(self.token_budget - decoded, max(1, self.token_budget // 4))))
+        return outputs
+
+    def _prefill_chunks(self, budget: int) -> list[RequestOutput]:
+        """Forward up to `budget` prompt tokens of the prefilling rows, oldest first: a row gets
+        tokens only once every older one is done, so the rows that finish are the first ones, which
+        then join the decoding rows in the slots they hold. A prompt scored for its logprobs is
+        forwarded whole. A chunk that fails fails its request alone."""
+        outputs: list[RequestOutput] = []
+        t0 = time.perf_counter()
+        while self.prefilling and budget > 0:
+            row = self.prefilling[0]
+            remaining = len(cache_ids(row)) - row.prefilled
+            whole = row.params.prompt_logprobs is not None and not row.output_ids
+            n = remaining if whole else min(remaining, budget)
+            state = row.generator.bit_generator.state
+            try:
+                result = self.runner.prefiller.run([row], len(self.rows), chunk=n)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                row.generator.bit_generator.state = state
+                self._remove_prefilling(0)
+                outputs.append(self._error_output(row, exc))
+                continue
+            budget -= n
+            self.num_prefill_chunks += 1
+            if row.prefilled < len(cache_ids(row)):
+                break
+            self.prefilling.pop(0)
+            self.rows.append(row)
+            output = self._first_output(row, result, 0)
+            if output is not None:
+                outputs.append(output)
+                if output.finished:
+                    self._remove_rows([len(self.rows) - 1])
+        self.last_timing = StepTiming("prefill", 1, 0.0, time.perf_counter() - t0)
+        return outputs
+
+    def _remove_prefilling(self, k: int) -> None:
+        """Prefilling row k leaves: its blocks go back, the rows after it move down a slot."""
+        self.scheduler.release(self.prefilling.pop(k))
+        base = len(self.rows)
+        for j in range(k, len(self.prefilling)):
+            self.runner.move_row(base + j + 1, base + j)
+
+    def _decode_running(self, outputs: list[RequestOutput]) -> None:
+        """One decode step of every decoding row: first the blocks each grows into (preempting the
+        newest when they run out), then the step, retried row by row if it fails."""
+        if self.rows:
             preempted = self.scheduler.preempt_for_step(self.rows)  # back in the queue, to be recomputed
             self._remove_rows([self.rows.index(row) for row in preempted])
             self.num_preemptions += len(preempted)
-            self.runner.vacate(len(self.rows))
+        if self.rows:
+            self.runner.vacate(len(self.rows) + len(self.prefilling))
             states = [row.generator.bit_generator.state for row in self.rows]
             try:
                 self.runner.place(self.rows)  # the blocks each row grew into
@@ -226,7 +305,6 @@ class Engine:
                         outputs.append(self._error_output(self.rows[i], exc))
                 finished = {o.request_id for o in outputs if o.finished}
                 self._remove_rows([i for i, r in enumerate(self.rows) if r.request_id in finished])
-        return outputs
 
     def _error_output(self, row: Row, exc: Exception) -> RequestOutput:
         return RequestOutput(row.request_id, [], True, "error", row.stats, error=f"{type(exc).__name__}: {exc}")
@@ -239,6 +317,9 @@ class Engine:
             row = self.rows[i]
             outputs.append(RequestOutput(row.request_id, [], True, "abort", row.stats))
         self._remove_rows(gone)
+        for k in reversed([k for k, r in enumerate(self.prefilling) if r.aborted]):
+            outputs.append(RequestOutput(self.prefilling[k].request_id, [], True, "abort", self.prefilling[k].stats))
+            self._remove_prefilling(k)
 
     def _remove_rows(self, indices: list[int]) -> None:
         """Free slots by moving the last row into each hole (one row copy per departure)."""
@@ -249,6 +330,8 @@ class Engine:
                 self.runner.move_row(last, i)
                 self.rows[i] = self.rows[last]
             self.rows.pop()
+            for j in range(len(self.prefilling)):  # the prefilling rows follow the decoding ones
+                self.runner.move_row(last + 1 + j, last + j)
 
     def _prefill(self, new: list[Row]) -> list[RequestOutput]:
         """Admit rows into the slots after the running ones (model/engine/prefill.py) and commit
@@ -260,21 +343,28 @@ class Engine:
         self.rows.extend(result.rows)
         outputs, done = [], []
         for i, row in enumerate(result.rows):
-            tok = result.first_tokens[i]
-            if tok is None:  # a preempted row, recomputed: it goes on from its anchor
-                continue
-            if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
-                output = RequestOutput(row.request_id, [], True, "length", row.stats)
-            else:
-                output = commit(row, [tok], result.logprobs[i])
-            output.prompt_logprobs, output.features = result.prompt_logprobs[i], result.features[i]
-            row.anchor = tok
-            outputs.append(output)
-            if output.finished:
-                done.append(lo + i)
+            output = self._first_output(row, result, i)
+            if output is not None:
+                outputs.append(output)
+                if output.finished:
+                    done.append(lo + i)
         self.last_timing = StepTiming("prefill", len(new), 0.0, time.perf_counter() - t0)
         self._remove_rows(done)
         return outputs
+
+    def _first_output(self, row: Row, result: PrefillResult, i: int) -> RequestOutput | None:
+        """Commit the first token a prefill chose for row `result.rows[i]`; None for a preempted row
+        recomputed (it goes on from its anchor)."""
+        tok = result.first_tokens[i]
+        if tok is None:
+            return None
+        if row.params.max_new_tokens == 0:  # scoring only: nothing is generated
+            output = RequestOutput(row.request_id, [], True, "length", row.stats)
+        else:
+            output = commit(row, [tok], result.logprobs[i])
+        output.prompt_logprobs, output.features = result.prompt_logprobs[i], result.features[i]
+        row.anchor = tok
+        return output
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:

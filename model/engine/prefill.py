@@ -82,31 +82,39 @@ class Prefiller:
         self.device = target.device
 
     @torch.inference_mode()
-    def run(self, new: list[Row], lo: int) -> PrefillResult:
+    def run(self, new: list[Row], lo: int, chunk: int | None = None) -> PrefillResult:
         """Prefill `new` into slots lo..: rows sorted by length, split where padding would cost more
-        than another forward, each after its shared prompt blocks. The caches advance only
-        once every forward succeeded. A row that was preempted (it has output already) is recomputed:
-        its prompt and output but the last token (its anchor) go back into the caches, and nothing is
-        chosen, drawn, scored or captured for it again."""
+        than another forward, each after what its caches hold (`Row.prefilled`: shared prompt
+        blocks, earlier chunks). The caches advance only once every forward succeeded. A row that
+        was preempted (it has output already) is recomputed: its prompt and output but the last
+        token (its anchor) go back into the caches, and nothing is chosen, drawn, scored or
+        captured for it again. `chunk`: forward at most that many tokens per row (chunked prefill);
+        a row whose prompt is not done yet gets no first token (None) and no random draw, and its
+        blocks are indexed for sharing only once it is."""
         dev = self.device
         resumed = {id(r) for r in new if r.output_ids}
         ids = {id(r): cache_ids(r) for r in new}
-        cached = {id(r): r.shared_tokens if self.shared_prefixes is not None else 0 for r in new}
-        new = sorted(new, key=lambda r: len(ids[id(r)]) - cached[id(r)])
+        cached = {id(r): r.prefilled for r in new}
+        todo = {id(r): len(ids[id(r)]) - r.prefilled if chunk is None else min(chunk, len(ids[id(r)]) - r.prefilled)
+                for r in new}  # fmt: skip
+        new = sorted(new, key=lambda r: todo[id(r)])
         self.place(new, lo)
         starts = [cached[id(r)] for r in new]
-        lengths = [len(ids[id(r)]) - n for r, n in zip(new, starts)]  # tokens forwarded per row
+        lengths = [todo[id(r)] for r in new]  # tokens forwarded per row
+        done = {id(r) for r in new if cached[id(r)] + todo[id(r)] == len(ids[id(r)])}
         lens = torch.tensor(lengths, device=dev)
-        for i, row in enumerate(new):
+        for row in new:
             if id(row) not in resumed:
-                row.stats.cached_prompt_tokens = starts[i]
+                row.stats.cached_prompt_tokens = row.shared_tokens
         groups = prefill_groups(lengths, self.split_tokens)
         logits_parts, features = [], []
         scored_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
         for a, b in groups:
             tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=dev)
             for i in range(a, b):
-                tokens[i - a, : lengths[i]] = torch.tensor(ids[id(new[i])][starts[i] :], device=dev)
+                tokens[i - a, : lengths[i]] = torch.tensor(
+                    ids[id(new[i])][starts[i] : starts[i] + lengths[i]], device=dev
+                )
             self.cache.set_lengths(lo + a, starts[a:b])
             scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None and id(new[i]) not in resumed]
             out = self.target.forward(
@@ -125,8 +133,9 @@ class Prefiller:
             logits_parts.append(out.logits[:, 0])
             features.append(out.features)
         logits = torch.cat(logits_parts)
-        # First tokens for the rows new to the batch, with the first of each one's uniforms.
-        fresh = [i for i, r in enumerate(new) if id(r) not in resumed]
+        # First tokens for the rows new to the batch whose prompt is done, with the first of each
+        # one's uniforms.
+        fresh = [i for i, r in enumerate(new) if id(r) not in resumed and id(r) in done]
         first: list[int | None] = [None] * len(new)
         first_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
         if fresh:
@@ -145,9 +154,12 @@ class Prefiller:
                 assert feats is not None
                 self.draft_cache.set_lengths(lo + a, starts[a:b])
                 self.drafter.append_context(self.draft_cache, lo + a, feats, lens[a:b], lengths[a:b])
+        for row, n in zip(new, lengths):
+            row.prefilled += n
         if self.shared_prefixes is not None:
             for row in new:
-                self.shared_prefixes.index_prefix(row.request_id, ids[id(row)])
+                if id(row) in done:
+                    self.shared_prefixes.index_prefix(row.request_id, ids[id(row)])
         captured: list[torch.Tensor | None] = [None] * len(new)
         if self.capture:
             for (a, b), feats in zip(groups, features):

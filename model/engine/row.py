@@ -33,7 +33,8 @@ class Row:
     ngram_acceptance: NgramAcceptance | None = None  # this row's own record of its copies
     processor: RowProcessor | None = None  # logits processors and their state (None: plain sampling)
     admitted: int = 0  # order of first admission (0: never admitted); the newest is preempted first
-    shared_tokens: int = 0  # positions 0.. its admission found in shared prefix blocks (paged storage)
+    shared_tokens: int = 0  # positions 0.. its admission found in shared prefix blocks
+    prefilled: int = 0  # positions of cache_ids(row) in the caches so far (shared, then chunk by chunk)
 
 
 def cache_ids(row: Row) -> list[int]:

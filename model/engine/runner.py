@@ -196,6 +196,14 @@ class ModelRunner:
                 if cache is not None:
                     cache.set_table(lo + i, table)
 
+    def seat(self, row: Row, slot: int) -> None:
+        """A row admitted for a chunked prefill takes `slot`: its block table, and the length of
+        what its caches hold already (shared prompt blocks)."""
+        self.place([row], slot)
+        for cache in (self.cache, self.draft_cache):
+            if cache is not None:
+                cache.set_lengths(slot, [row.prefilled])
+
     def vacate(self, first: int) -> None:
         """Slots first.. hold no row: emptied, so that a static step's padding rows never write where
         a row that left, or a block it gave back, was."""

@@ -61,6 +61,7 @@ class Scheduler:
             # A prompt scored for its logprobs is forwarded whole: shared positions have no logits.
             share = self.share_prefixes and (row.params.prompt_logprobs is None or bool(row.output_ids))
             row.shared_tokens = self.blocks.share_prefix(row.request_id, cache_ids(row)) if share else 0
+            row.prefilled = row.shared_tokens
             if not self.blocks.reserve(row.request_id, self._needs(row), keep_free=keep):
                 self.blocks.free(row.request_id)  # the shared blocks too
                 row.shared_tokens = 0

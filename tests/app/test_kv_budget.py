@@ -33,3 +33,21 @@ def test_concurrent_requests_through_preemption_answer_as_alone(server_factory: 
     assert metric(samples, "domino_kv_bytes_read_total") > 0
     assert metric(samples, "domino_kv_cache_blocks", state="used") == 0
     assert [complete(p)[0] for p in prompts] == together  # each alone
+
+
+def test_chunked_prefill_served_answers_as_alone(server_factory: Callable[..., ServerProcess]) -> None:
+    """DOMINO_MAX_NUM_BATCHED_TOKENS=16: a long prompt goes in by chunks while shorter requests
+    decode; one batched request of four prompts answers each as the prompt does alone."""
+    srv = server_factory(max_model_len=256, max_batch_size=4, max_num_batched_tokens=16)
+    prompts = [[4 + i, 5, 6 + 2 * i, 7] for i in range(3)] + [[(3 * k) % 90 + 5 for k in range(120)]]
+
+    def complete(prompt: list[int] | list[list[int]]) -> list[str]:
+        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+
+    together = complete(prompts)
+    assert metric(scrape_metrics(srv.url), "domino_prefill_chunks_total") >= 120 // 16
+    assert [complete(p)[0] for p in prompts] == together

@@ -44,6 +44,15 @@ def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
     assert engine_config(Settings()).kv_cache_memory is None
 
 
+def test_chunked_prefill_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert engine_config(Settings()).max_num_batched_tokens is None  # unchunked unless asked
+    monkeypatch.setenv("DOMINO_MAX_NUM_BATCHED_TOKENS", "256")
+    assert engine_config(Settings()).max_num_batched_tokens == 256
+    monkeypatch.setenv("DOMINO_MAX_NUM_BATCHED_TOKENS", "0")
+    with pytest.raises(ValidationError, match="max_num_batched_tokens"):
+        Settings()
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [

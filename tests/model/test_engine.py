@@ -569,3 +569,77 @@ def test_shared_prefix_blocks_are_never_written() -> None:
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     assert tokens == {"a": _hf_greedy(model, first, 12)[1:], "b": _hf_greedy(model, second, 12)[1:]}
     assert pool.num_used == 0 and pool.num_indexed >= 5  # freed, but still indexed for the next prompt
+
+
+# -- chunked prefill (EngineConfig.max_num_batched_tokens) ------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_prefill_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
+    """Prompt chunks of at most 7 tokens, sharing steps with decoding rows (8 requests through
+    `batch` rows: rows join and leave): every output is still HF greedy's."""
+    model, prompts, budgets, refs = target_and_refs
+    engine = _engine(model, mode, batch, draft_policy=policy, max_num_batched_tokens=7)
+    results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
+    assert [tokens for tokens, _, _ in results] == refs
+    assert not engine.prefilling and not engine.rows
+    assert engine.num_prefill_chunks >= sum(-(-len(p) // 7) for p in prompts)  # none longer than 7
+
+
+def test_decoding_rows_emit_every_step_while_a_long_prompt_prefills() -> None:
+    """Two rows decode while a 60-token prompt arrives: it goes in in chunks (budget 8) over several
+    steps, and every one of those steps gives each decoding row at least one token."""
+    model = tiny_target()
+    engine = _engine(model, "domino", 3, draft_policy="fixed", max_num_batched_tokens=8)
+    short = _prompts(2)
+    for i, p in enumerate(short):
+        engine.add_request(f"s{i}", p, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    while engine.num_running < 2 or engine.prefilling:
+        engine.step()
+    long_prompt = (_prompts(10)[6] * 3)[:60]
+    engine.add_request("long", long_prompt, SamplingParams(max_new_tokens=5))
+    chunked_steps = 0
+    while engine.prefilling or engine.num_waiting:
+        outputs = {o.request_id: o for o in engine.step()}
+        chunked_steps += 1
+        for rid in ("s0", "s1"):
+            assert rid in outputs and outputs[rid].new_token_ids, (chunked_steps, rid)
+    assert chunked_steps >= 3
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens["long"][-4:] == _hf_greedy(model, long_prompt, 5)[1:]
+
+
+def test_chunked_prefill_keeps_seeded_sampling_prompt_logprobs_and_sharing() -> None:
+    """Seeded sampled rows draw at their last chunk what they draw unchunked; a prompt scored for its
+    logprobs gets the same scores; prompts beginning alike share blocks once the first is in."""
+    model = tiny_target()
+    prompts = _shared_beginning_prompts()[:4]
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, seed=11),
+        SamplingParams(max_new_tokens=9, temperature=1.1, seed=12),
+        SamplingParams(max_new_tokens=6, prompt_logprobs=2),
+        SamplingParams(max_new_tokens=10),
+    ]
+    scores: dict[str, Any] = {}
+
+    def keep_scores(label: str) -> Any:
+        def on_output(i: int, out: Any) -> None:
+            if out.prompt_logprobs is not None:
+                scores[label] = out.prompt_logprobs
+
+        return on_output
+
+    def run(engine: Engine, label: str) -> list[Any]:  # the first prompt first: the others share its blocks
+        first = engine.generate(prompts[:1], params[:1])
+        return first + engine.generate(prompts[1:], params[1:], keep_scores(label))
+
+    whole = run(_engine(model, "domino", 4, prefix_cache_tokens=256), "whole")
+    chunked = run(_engine(model, "domino", 4, prefix_cache_tokens=256, max_num_batched_tokens=5), "chunked")
+    assert [t for t, _, _ in chunked] == [t for t, _, _ in whole]
+    assert scores["chunked"] == scores["whole"] and len(scores["whole"]) == len(prompts[2]) - 1
+    assert [s.cached_prompt_tokens for _, s, _ in chunked] == [0, 20, 0, 20]  # the scored prompt shares none
