@@ -1,0 +1,140 @@
+"""Decoding streams while a long prompt arrives: `python -m bench.interference`.
+
+N streams decode held-out chat prompts (greedy, `ignore_eos`, budgets that outlast the run). Once
+all of them run and W steps have passed, a P-token prompt arrives. A stream's gap is the wall time
+between two steps that gave it tokens. Per step token budget (`max_num_batched_tokens`; `whole`:
+unset, the prompt prefilled in a step of its own as before chunked prefill) it reports the streams'
+median gap before the prompt arrived, their p99 and largest gap while it went in (from its arrival
+until every stream has emitted after the prompt's first token), p99 over that median, and the
+prompt's time to first token. The budgets run in turns (A B A B ...), each on a fresh engine over
+the same target and drafter, so machine drift hits them alike.
+
+This is the engine-level view of issue 53's served scenario (8 SSE streams, a 1,500-token prompt):
+the server adds its own per-chunk work to both sides of the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import common
+from bench.report import write_json
+from model.engine.engine import Engine
+from model.engine.requests import SamplingParams
+from model.load.loading import DEFAULT_TARGET, build_engine
+from model.load.prompts import load_prompt_file
+
+
+def long_prompt(prompts: list[list[int]], tokens: int) -> list[int]:
+    """`tokens` prompt tokens: held-out prompts one after another (real text, not one repeated)."""
+    out: list[int] = []
+    for p in prompts:
+        out += p
+        if len(out) >= tokens:
+            return out[:tokens]
+    raise ValueError(f"the prompt file holds {len(out)} tokens, {tokens} asked for")
+
+
+def run_once(engine: Engine, streams: list[list[int]], prompt: list[int], warm_steps: int) -> dict[str, Any]:
+    """One run: the streams' gaps before and during the long prompt's prefill, and its TTFT."""
+    for i, p in enumerate(streams):
+        engine.add_request(f"s{i}", p, SamplingParams(max_new_tokens=4096 - len(p) - 64, ignore_eos=True))
+    last: dict[str, float] = {}
+    before: list[float] = []
+    during: list[float] = []
+
+    def step(window: list[float] | None) -> list[Any]:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id.startswith("s") and out.new_token_ids:
+                if window is not None and out.request_id in last:
+                    window.append(now - last[out.request_id])
+                last[out.request_id] = now
+        return outputs
+
+    while len(engine.rows) < len(streams):
+        step(None)
+    for _ in range(warm_steps):
+        step(before)
+    engine.add_request("long", prompt, SamplingParams(max_new_tokens=1))
+    chunks = engine.num_prefill_chunks
+    t0 = time.perf_counter()
+    while not any(o.request_id == "long" for o in step(during)):
+        pass
+    ttft = time.perf_counter() - t0
+    # Until every stream has emitted again: a prompt prefilled whole stalls them in a step that
+    # emits nothing, and the gap shows on their next emission.
+    mark = time.perf_counter()
+    while any(last.get(f"s{i}", 0.0) < mark for i in range(len(streams))):
+        step(during)
+    for i in range(len(streams)):
+        engine.abort(f"s{i}")
+    while engine.has_unfinished():
+        engine.step()
+    median = statistics.median(before)
+    p99 = float(np.percentile(during, 99))
+    return {
+        "median_gap_before_ms": round(1e3 * median, 1),
+        "p99_gap_during_ms": round(1e3 * p99, 1),
+        "max_gap_during_ms": round(1e3 * max(during), 1),
+        "p99_over_median": round(p99 / median, 2),
+        "ttft_long_s": round(ttft, 3),
+        "prefill_chunks": engine.num_prefill_chunks - chunks,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--prompts", default="bench/prompts/sharegpt_heldout.jsonl")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=1500)
+    p.add_argument("--budgets", default="whole,128", help="max_num_batched_tokens values; 'whole': unset")
+    p.add_argument("--warm-steps", type=int, default=12)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    base, tokenizer = build_engine(
+        target=args.target, mode="domino", dtype=args.dtype, max_batch_size=args.streams + 1, max_model_len=4096
+    )
+    prompts = load_prompt_file(Path(args.prompts), tokenizer)
+    streams = prompts[: args.streams]
+    prompt = long_prompt(prompts[args.streams :], args.prompt_tokens)
+    budgets = {b: None if b == "whole" else int(b) for b in args.budgets.split(",")}
+    runs: dict[str, list[dict[str, Any]]] = {b: [] for b in budgets}
+    for rep in range(args.reps):
+        for label, tokens in budgets.items():
+            engine = Engine(base.target, base.drafter, replace(base.config, max_num_batched_tokens=tokens))
+            record = run_once(engine, streams, prompt, args.warm_steps)
+            print(f"rep {rep} budget {label}: {record}", flush=True)
+            runs[label].append(record)
+            del engine
+    result = {
+        "environment": common.host_environment(torch.device("cpu"), base.target.dtype),
+        "config": vars(args),
+        "runs": runs,
+        "median_over_reps": {
+            label: {key: statistics.median(r[key] for r in records) for key in records[0]}
+            for label, records in runs.items()
+        },
+    }
+    print(result["median_over_reps"])
+    if args.json:
+        write_json(result, Path(args.json))
+    return result
+
+
+if __name__ == "__main__":
+    main()
