@@ -9,19 +9,27 @@ until every stream has emitted after the prompt's first token), p99 over that me
 prompt's time to first token. The budgets run in turns (A B A B ...), each on a fresh engine over
 the same target and drafter, so machine drift hits them alike.
 
-This is the engine-level view of issue 53's served scenario (8 SSE streams, a 1,500-token prompt):
-the server adds its own per-chunk work to both sides of the ratio.
+`--url`: the same scenario served (issue 53's): against a running server, N completion streams
+(SSE, greedy, `ignore_eos`, `--stream-tokens` each, prompts from the held-out file as text) start
+together; `--delay` seconds in, a P-token prompt (held-out text tokenized by the server's /tokenize,
+sent as token ids, one token asked for) arrives. A stream's gap is the wall time between two of its
+SSE chunks. Reported: the streams' median gap outside the long prompt's prefill (from its sending
+to its answer), their p99 and largest gap inside it, p99 over that median, and the prompt's TTFT.
+Start the server with and without DOMINO_MAX_NUM_BATCHED_TOKENS to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
@@ -92,6 +100,62 @@ def run_once(engine: Engine, streams: list[list[int]], prompt: list[int], warm_s
     }
 
 
+def held_out_texts(path: Path) -> list[str]:
+    """The first user message of every held-out conversation."""
+    texts = []
+    for line in path.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        texts.append(next(m["content"] for m in messages if m["role"] == "user"))
+    return texts
+
+
+def served_run(
+    url: str, texts: list[str], streams: int, stream_tokens: int, prompt_tokens: int, delay: float, chars: int = 1000
+) -> dict:
+    """Issue 53's served scenario against the server at `url` (see the module's docstring)."""
+    client = httpx.Client(base_url=url, timeout=600)
+    long_ids: list[int] = []
+    for text in texts[streams:]:
+        long_ids += client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        if len(long_ids) >= prompt_tokens:
+            break
+    long_ids = long_ids[:prompt_tokens]
+    chunks: list[list[float]] = [[] for _ in range(streams)]
+
+    def stream(i: int) -> None:
+        body = {"prompt": texts[i][:chars], "max_tokens": stream_tokens, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks[i].append(time.perf_counter())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(delay)
+    sent = time.perf_counter()
+    answer = client.post("/v1/completions", json={"prompt": long_ids, "max_tokens": 1, "temperature": 0})
+    answered = time.perf_counter()
+    answer.raise_for_status()
+    for t in threads:
+        t.join()
+    inside, outside = [], []
+    for times in chunks:
+        for a, b in zip(times, times[1:]):
+            (inside if b > sent and a < answered else outside).append(b - a)
+    median = statistics.median(outside)
+    p99 = float(np.percentile(inside, 99))
+    return {
+        "median_gap_outside_ms": round(1e3 * median, 1),
+        "p99_gap_during_ms": round(1e3 * p99, 1),
+        "max_gap_during_ms": round(1e3 * max(inside), 1),
+        "p99_over_median": round(p99 / median, 2),
+        "ttft_long_s": round(answered - sent, 3),
+        "gaps_during": len(inside),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
@@ -104,7 +168,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--url", default=None, help="a running server: the served scenario instead")
+    p.add_argument("--stream-tokens", type=int, default=160)
+    p.add_argument("--delay", type=float, default=8.0, help="seconds after the streams start (served)")
+    p.add_argument("--label", default="served", help="what the server runs with (served)")
+    p.add_argument("--stream-chars", type=int, default=1000, help="characters of each stream's prompt (served)")
     args = p.parse_args(argv)
+    if args.url:
+        texts = held_out_texts(Path(args.prompts))
+        scenario = (args.streams, args.stream_tokens, args.prompt_tokens, args.delay, args.stream_chars)
+        runs = [served_run(args.url, texts, *scenario) for _ in range(args.reps)]
+        for record in runs:
+            print(f"{args.label}: {record}", flush=True)
+        served = {"label": args.label, "config": vars(args), "runs": runs,
+                  "median_over_reps": {key: statistics.median(r[key] for r in runs) for key in runs[0]}}  # fmt: skip
+        if args.json:
+            write_json(served, Path(args.json))
+        return served
     torch.set_num_threads(args.threads)
     base, tokenizer = build_engine(
         target=args.target, mode="domino", dtype=args.dtype, max_batch_size=args.streams + 1, max_model_len=4096
