@@ -100,6 +100,11 @@ def run_once(engine: Engine, streams: list[list[int]], prompt: list[int], warm_s
     }
 
 
+def medians(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Each field's median over the repetitions' records."""
+    return {key: statistics.median(r[key] for r in records) for key in records[0]}
+
+
 def held_out_texts(path: Path) -> list[str]:
     """The first user message of every held-out conversation."""
     texts = []
@@ -180,8 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs = [served_run(args.url, texts, *scenario) for _ in range(args.reps)]
         for record in runs:
             print(f"{args.label}: {record}", flush=True)
-        served = {"label": args.label, "config": vars(args), "runs": runs,
-                  "median_over_reps": {key: statistics.median(r[key] for r in runs) for key in runs[0]}}  # fmt: skip
+        served = {"label": args.label, "config": vars(args), "runs": runs, "median_over_reps": medians(runs)}
         if args.json:
             write_json(served, Path(args.json))
         return served
@@ -205,10 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "environment": common.host_environment(torch.device("cpu"), base.target.dtype),
         "config": vars(args),
         "runs": runs,
-        "median_over_reps": {
-            label: {key: statistics.median(r[key] for r in records) for key in records[0]}
-            for label, records in runs.items()
-        },
+        "median_over_reps": {label: medians(records) for label, records in runs.items()},
     }
     print(result["median_over_reps"])
     if args.json:

@@ -30,7 +30,7 @@ from model.engine.prefill import PrefillResult
 from model.engine.proposers import DraftProposer, NgramProposer
 from model.engine.rejection import accept, assemble_drafts
 from model.engine.requests import RequestOutput, RequestStats, SamplingParams, StepTiming, check_prompt
-from model.engine.row import Row, cache_ids, commit, seed_generator
+from model.engine.row import Row, cached_tokens, commit, seed_generator
 from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
 from model.engine.step import DecodeStep, StepResults
@@ -249,7 +249,7 @@ class Engine:
         t0 = time.perf_counter()
         while self.prefilling and budget > 0:
             row = self.prefilling[0]
-            remaining = len(cache_ids(row)) - row.prefilled
+            remaining = cached_tokens(row) - row.prefilled
             whole = row.params.prompt_logprobs is not None and not row.output_ids
             n = remaining if whole else min(remaining, budget)
             state = row.generator.bit_generator.state
@@ -262,7 +262,7 @@ class Engine:
                 continue
             budget -= n
             self.num_prefill_chunks += 1
-            if row.prefilled < len(cache_ids(row)):
+            if row.prefilled < cached_tokens(row):
                 break
             self.prefilling.pop(0)
             self.rows.append(row)

@@ -43,6 +43,11 @@ def cache_ids(row: Row) -> list[int]:
     return row.prompt_ids + row.output_ids[:-1]
 
 
+def cached_tokens(row: Row) -> int:
+    """How many `cache_ids(row)` are, without building them: the row's positions in the caches."""
+    return len(row.prompt_ids) + max(len(row.output_ids) - 1, 0)
+
+
 def seed_generator(seed: int) -> np.random.Generator:
     """A row's random stream. The whole 64-bit seed counts (NumPy's SeedSequence hashes it): torch's CPU
     generator keeps only the low 32 bits, so seeds 7 and 7 + 2**32 would sample the same text."""

@@ -9,14 +9,8 @@ import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 
-from model.engine.row import Row, cache_ids
+from model.engine.row import Row, cache_ids, cached_tokens
 from model.kv.blocks import BlockTables
-
-
-def cached_tokens(row: Row) -> int:
-    """Positions of the row in the caches: its prompt and output but the last token (the anchor,
-    which the next step writes)."""
-    return len(row.prompt_ids) + max(len(row.output_ids) - 1, 0)
 
 
 class Scheduler:

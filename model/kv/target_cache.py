@@ -35,9 +35,6 @@ class RaggedKVCache(PagedKV, Cache):
         PagedKV.__init__(
             self, num_layers, max_slots, capacity, kv_heads, head_dim, dtype, device, num_blocks, block_size
         )
-        self._forget_forward()
-
-    def _forget_forward(self) -> None:
         # Set by `prepare` for one forward.
         self._lo = 0
         self._hi = 0
