@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from app.ray_serve import REPLICA_GAUGES
 from model.engine.requests import PROPOSERS
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -37,6 +38,10 @@ class Metrics:
         self.kv_usage = Gauge(
             "domino_kv_cache_usage_perc", "Fraction of the KV cache blocks in use (0-1).", name, registry=r
         ).labels(model_name)
+        # One process serving is one replica, ready; behind Ray Serve, /metrics answers with the
+        # deployment's counts instead (app/ray_serve.py REPLICA_GAUGES).
+        for metric, doc in REPLICA_GAUGES.items():
+            Gauge(metric, doc, name, registry=r).labels(model_name).set(1)
 
     def _counter(self, metric: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
         return Counter(metric, doc, ["model_name", *extra], registry=self.registry)

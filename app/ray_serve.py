@@ -9,6 +9,9 @@ passes through it unchanged. What this module adds around the app:
 - metrics: every replica pushes its `domino_*` families each second to `MetricsHub` (a one-replica
   deployment of the same application), and `GET /metrics` on any replica answers with all live
   replicas' series, each labelled `replica`, so Prometheus keeps one scrape target: the proxy;
+- readiness: `/health` answers 200 only once every replica asked for can serve (each has answered
+  through the proxy with its engine loaded), or once DOMINO_REPLICA_READY_TIMEOUT has passed; its body
+  and the `domino_replicas_ready` / `domino_replicas_desired` gauges say how many can;
 - `check_health`, so Ray replaces a replica whose engine worker died;
 - `proxy_middlewares`, loaded by Ray's proxy (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), which gives
   the requests of a replica that died under them an OpenAI-shaped end instead of a cut connection.
@@ -27,8 +30,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -37,6 +43,7 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
     from prometheus_client import Metric
     from ray.serve import Application
     from ray.serve.handle import DeploymentHandle
@@ -58,41 +65,85 @@ METRICS_STALE_AFTER_S = 5.0
 SPARE_REQUEST_SLOTS = 8
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "app.ray_serve.proxy_middlewares"
+REPLICA_HEADER = "x-domino-replica"  # sent by app.middleware
+# Cluster-wide gauges (app.metrics has each replica's own, 1 of 1): the hub's counts replace them.
+REPLICA_GAUGES = {
+    "domino_replicas_ready": "Replicas whose engine is loaded and healthy.",
+    "domino_replicas_desired": "Replicas asked for (DOMINO_REPLICAS; with autoscaling, its minimum).",
+}
+# While starting, the driver asks the proxy for /health this often to see which replicas it reaches; once
+# started, it re-marks the hub this often (a replaced hub would otherwise answer "starting" again).
+READY_PROBE_INTERVAL_S = 0.2
+MARK_STARTED_INTERVAL_S = 5.0
 
 
 # -- the deployments ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Readiness:
+    """Which replicas can serve, out of how many were asked for, and whether start-up is over: every
+    replica reached through the proxy (the driver says so), or the start-up timeout passed."""
+
+    ready: tuple[str, ...]
+    desired: int
+    started: bool
+
+
 class MetricsHub:
-    """The latest `domino_*` families of every live replica (a Serve deployment of one replica)."""
+    """The latest `domino_*` families of every live replica, and the replicas' readiness (a Serve
+    deployment of one replica). A replica pushes only once its engine is loaded."""
 
-    def __init__(self) -> None:
-        self.latest: dict[str, tuple[float, list[Metric]]] = {}
+    def __init__(self, desired: int = 1, ready_timeout: float = float("inf")) -> None:
+        self.latest: dict[str, tuple[float, list[Metric], bool]] = {}
+        self.desired = desired
+        self.started = False
+        self.start_deadline = time.monotonic() + ready_timeout
 
-    def record(self, replica: str, families: list[Metric]) -> None:
-        self.latest[replica] = (time.monotonic(), families)
+    def record(self, replica: str, families: list[Metric], healthy: bool = True) -> None:
+        self.latest[replica] = (time.monotonic(), families, healthy)
 
-    def snapshot(self) -> dict[str, list[Metric]]:
+    def _live(self) -> dict[str, tuple[float, list[Metric], bool]]:
         now = time.monotonic()
-        for replica, (seen, _) in list(self.latest.items()):
+        for replica, (seen, _, _) in list(self.latest.items()):
             if now - seen > METRICS_STALE_AFTER_S:  # replaced or scaled down
                 del self.latest[replica]
-        return {replica: families for replica, (_, families) in self.latest.items()}
+        return self.latest
+
+    def snapshot(self) -> dict[str, list[Metric]]:
+        return {replica: families for replica, (_, families, _) in self._live().items()}
+
+    def readiness(self) -> Readiness:
+        if time.monotonic() > self.start_deadline:
+            self.started = True
+        ready = tuple(sorted(replica for replica, (_, _, healthy) in self._live().items() if healthy))
+        return Readiness(ready, self.desired, self.started)
+
+    def mark_started(self) -> None:
+        self.started = True
 
 
 class ReplicaFamilies:
     """The hub's snapshot as one collector: every sample gains a `replica` label, and families of the
-    same name from different replicas are merged (one HELP/TYPE each), as Prometheus requires."""
+    same name from different replicas are merged (one HELP/TYPE each), as Prometheus requires. The
+    replica-count gauges come from the hub's readiness instead, once, without a `replica` label."""
 
-    def __init__(self, by_replica: dict[str, list[Metric]]) -> None:
+    def __init__(
+        self, by_replica: dict[str, list[Metric]], readiness: Readiness | None = None, model_name: str = ""
+    ) -> None:
         self.by_replica = by_replica
+        self.readiness = readiness
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client import Metric
+        from prometheus_client.core import GaugeMetricFamily
 
         merged: dict[str, Metric] = {}
         for replica in sorted(self.by_replica):
             for family in self.by_replica[replica]:
+                if family.name in REPLICA_GAUGES:  # each replica's own says 1 of 1
+                    continue
                 out = merged.get(family.name)
                 if out is None:
                     out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
@@ -100,12 +151,22 @@ class ReplicaFamilies:
                     sample._replace(labels={**sample.labels, REPLICA_LABEL: replica}) for sample in family.samples
                 )
         yield from merged.values()
+        if self.readiness is None:
+            return
+        counts = {"domino_replicas_ready": len(self.readiness.ready), "domino_replicas_desired": self.readiness.desired}
+        for name, doc in REPLICA_GAUGES.items():
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], counts[name])
+            yield gauge
 
 
-def cluster_exposition(by_replica: dict[str, list[Metric]]) -> bytes:
+def cluster_exposition(
+    by_replica: dict[str, list[Metric]], readiness: Readiness | None = None, model_name: str = ""
+) -> bytes:
     from prometheus_client import generate_latest
 
-    return generate_latest(ReplicaFamilies(by_replica))  # type: ignore[arg-type]  # any .collect() will do
+    families = ReplicaFamilies(by_replica, readiness, model_name)
+    return generate_latest(families)  # type: ignore[arg-type]  # any .collect() will do
 
 
 class DominoReplica:
@@ -146,9 +207,12 @@ def replica_app_builder(settings: Settings) -> Any:
 
 
 def install_cluster_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -> None:
-    """Push this replica's families to the hub while the app runs; /metrics answers for all replicas."""
+    """Push this replica's families to the hub while the app runs; /metrics answers for all replicas
+    and /health for the deployment's readiness."""
     from fastapi.responses import Response
     from prometheus_client import CONTENT_TYPE_LATEST
+
+    from app.routes.ops import health_response
 
     app_lifespan = app.router.lifespan_context
 
@@ -164,16 +228,40 @@ def install_cluster_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -
                     await pusher
 
     async def cluster_metrics() -> Response:
-        by_replica = await hub.snapshot.remote()
-        return Response(cluster_exposition(by_replica), media_type=CONTENT_TYPE_LATEST)
+        by_replica, readiness = await hub.snapshot.remote(), await hub.readiness.remote()
+        service = app.state.service
+        model_name = service.metrics.model_name if service is not None else ""
+        return Response(cluster_exposition(by_replica, readiness, model_name), media_type=CONTENT_TYPE_LATEST)
+
+    async def cluster_health() -> JSONResponse:
+        own = health_response(app.state.service)
+        try:
+            readiness = await hub.readiness.remote()
+        except Exception as exc:  # the hub is being replaced: this replica's own answer stands
+            log.warning("could not read readiness from the hub: %s", exc)
+            return own
+        return cluster_health_response(own, readiness)
 
     app.router.lifespan_context = lifespan_pushing_metrics
-    # The cluster route goes first, since routes match in list order: the app's own /metrics cannot be
-    # taken out (recent FastAPI keeps an included router whole rather than copying its routes into
-    # app.router.routes), so it stays, shadowed, and stays the schema's /metrics. response_model=None:
-    # the `Response` annotation is a string here that FastAPI could not resolve for /openapi.json.
-    app.add_api_route("/metrics", cluster_metrics, methods=["GET"], response_model=None, include_in_schema=False)
-    app.router.routes.insert(0, app.router.routes.pop())
+    # The cluster routes go first, since routes match in list order: the app's own /metrics and
+    # /health cannot be taken out (recent FastAPI keeps an included router whole rather than copying
+    # its routes into app.router.routes), so they stay, shadowed, and stay the schema's. response_model
+    # =None: the annotations are strings here that FastAPI could not resolve for /openapi.json.
+    for path, endpoint in (("/metrics", cluster_metrics), ("/health", cluster_health)):
+        app.add_api_route(path, endpoint, methods=["GET"], response_model=None, include_in_schema=False)
+        app.router.routes.insert(0, app.router.routes.pop())
+
+
+def cluster_health_response(own: JSONResponse, readiness: Readiness) -> JSONResponse:
+    """This replica's /health answer with the deployment's counts; 503 "starting" until start-up is over."""
+    from fastapi.responses import JSONResponse
+
+    body = json.loads(bytes(own.body))
+    status = own.status_code
+    if status == 200 and not readiness.started:
+        body["status"], status = "starting", 503
+    body["replicas"] = {"ready": len(readiness.ready), "desired": readiness.desired}
+    return JSONResponse(body, status_code=status)
 
 
 async def push_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -> None:
@@ -182,7 +270,8 @@ async def push_metrics(app: FastAPI, hub: DeploymentHandle, replica: str) -> Non
         service = app.state.service
         if service is not None:
             try:
-                await hub.record.remote(replica, list(service.metrics.registry.collect()))
+                families = list(service.metrics.registry.collect())
+                await hub.record.remote(replica, families, service.worker.healthy)
                 warned = False
             except Exception as exc:  # the hub is being replaced: the next push gets through
                 if not warned:
@@ -222,7 +311,8 @@ def build_application(settings: Settings, cluster_gpus: float = 0.0) -> Applicat
 
     hub = serve.deployment(MetricsHub, name=METRICS_HUB_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(serve.ingress(replica_app_builder(settings))(DominoReplica))
-    return ingress.options(**deployment_options(settings, cluster_gpus)).bind(hub.bind())
+    options = deployment_options(settings, cluster_gpus)
+    return ingress.options(**options).bind(hub.bind(settings.replicas or 1, settings.replica_ready_timeout))
 
 
 # -- the driver: `domino-serve --replicas N` ----------------------------------------------------------
@@ -253,17 +343,36 @@ def serve_with_ray(settings: Settings) -> int:
             }
         )
         gpus = float(ray.cluster_resources().get("GPU", 0))
-        serve.run(build_application(settings, gpus), name=APP_NAME, route_prefix="/", blocking=False)
-        log.info(
-            "serving %r through Ray Serve at http://%s:%d/v1 (%s)",
-            settings.model_name,
-            settings.host,
-            settings.port,
-            f"{settings.replicas or 1} to {settings.max_replicas} replicas"
-            if settings.max_replicas
-            else f"{settings.replicas or 1} replica(s)",
+        application = build_application(settings, gpus)
+        deploying = InBackground(lambda: serve.run(application, name=APP_NAME, route_prefix="/", blocking=False))
+        desired = settings.replicas or 1
+        reached = wait_for_replicas(
+            local_url(settings.host, settings.port), desired, settings.replica_ready_timeout, stop, deploying
         )
-        stop.wait()
+        if not stop.is_set():
+            hub = serve.get_deployment_handle(METRICS_HUB_DEPLOYMENT, app_name=APP_NAME)
+            mark_started(hub)
+            scaling = f", autoscaling up to {settings.max_replicas}" if settings.max_replicas else ""
+            log.info(
+                "serving %r through Ray Serve at http://%s:%d/v1 (%d of %d replica(s) ready%s)",
+                settings.model_name,
+                settings.host,
+                settings.port,
+                len(reached),
+                desired,
+                scaling,
+            )
+            if len(reached) < desired:
+                log.warning(
+                    "only %d of %d replica(s) can serve after %.0f s (DOMINO_REPLICA_READY_TIMEOUT): ready with "
+                    "them; /health and domino_replicas_ready show the count as more start",
+                    len(reached),
+                    desired,
+                    settings.replica_ready_timeout,
+                )
+        # Re-marked now and then: a hub that Ray replaced would otherwise answer "starting" again.
+        while not stop.wait(MARK_STARTED_INTERVAL_S):
+            mark_started(serve.get_deployment_handle(METRICS_HUB_DEPLOYMENT, app_name=APP_NAME))
         log.info("draining: deleting the application (up to %.0f s per replica)", settings.drain_timeout)
         serve.delete(APP_NAME)
     except Exception:
@@ -275,6 +384,73 @@ def serve_with_ray(settings: Settings) -> int:
                 serve.shutdown()
         ray.shutdown()
     return 0
+
+
+class InBackground:
+    """A call run on a thread, its exception kept for the caller (serve.run blocks until every replica
+    is RUNNING, with no timeout of its own)."""
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(call,), name="serve-run", daemon=True)
+        self.thread.start()
+
+    def _run(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as exc:  # raised again in the driver's thread
+            self.error = exc
+
+
+def wait_for_replicas(
+    url: str, desired: int, timeout: float, stop: threading.Event, deploying: InBackground
+) -> set[str]:
+    """The replicas that answered /health through the proxy with their engine loaded, once `desired`
+    have, or when `timeout` passes. Through the proxy, not from Ray's status: a replica Ray reports
+    RUNNING is reached by the proxy only once the proxy has learned of it."""
+    deadline = time.monotonic() + timeout
+    reached: set[str] = set()
+    while len(reached) < desired and time.monotonic() < deadline:
+        if deploying.error is not None:
+            raise deploying.error
+        replica = loaded_replica_behind(url)
+        if replica is not None:
+            reached.add(replica)
+        if stop.wait(READY_PROBE_INTERVAL_S):
+            break
+    return reached
+
+
+def loaded_replica_behind(url: str) -> str | None:
+    """The replica that answered one GET /health through the proxy, if its engine is loaded."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            headers, body = response.headers, response.read()
+    except urllib.error.HTTPError as refused:  # 503 "starting" is the answer of a loaded replica
+        headers, body = refused.headers, refused.read()
+    except (OSError, TimeoutError):  # the proxy is not listening yet
+        return None
+    try:
+        status = json.loads(body).get("status")
+    except (ValueError, AttributeError):  # the proxy's own answer while no replica is up
+        return None
+    replica = headers.get(REPLICA_HEADER)
+    return replica if replica and status in ("ok", "starting") else None
+
+
+def local_url(host: str, port: int) -> str:
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def mark_started(hub: DeploymentHandle) -> None:
+    try:
+        hub.mark_started.remote().result(timeout_s=10)
+    except Exception as exc:  # the hub is being replaced: the next mark gets through
+        log.warning("could not mark the deployment started: %s", exc)
 
 
 # -- Ray's proxy: an OpenAI-shaped end for requests whose replica died ------------------------------------

@@ -181,6 +181,12 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(
         None, description="Ray cluster to join (e.g. ray://head:10001 or auto); unset: start a local one"
     )
+    replica_ready_timeout: float = Field(
+        600.0,
+        gt=0,
+        description="with --replicas: seconds /health waits at start-up for every replica to serve; past it, the "
+        "server is ready with the replicas it has and warns how many",
+    )
 
     @model_validator(mode="after")
     def _empty_strings_mean_unset(self) -> Settings:

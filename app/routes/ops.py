@@ -15,7 +15,10 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> Response:
     # No ServiceDep: an unloaded model is an answer here (503), not an error.
-    service: Service | None = request.app.state.service
+    return health_response(request.app.state.service)
+
+
+def health_response(service: Service | None) -> JSONResponse:
     if service is None or not service.worker.healthy:
         reason = "draining" if service is not None and service.worker.draining else "unavailable"
         return JSONResponse({"status": reason}, status_code=503)

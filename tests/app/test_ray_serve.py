@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,16 +20,20 @@ import httpx
 import pytest
 
 from app.ray_serve import (
-    APP_NAME,
     INGRESS_DEPLOYMENT,
     PROXY_CALLBACK,
     PROXY_CALLBACK_ENV,
+    MetricsHub,
+    Readiness,
     ReplicaFamilies,
     cluster_exposition,
+    cluster_health_response,
     deployment_options,
+    loaded_replica_behind,
+    local_url,
 )
 from app.settings import Settings
-from tests.fixtures.servers import ServerProcess, metric, scrape_metrics
+from tests.fixtures.servers import ServerProcess, free_port, metric, scrape_metrics
 from tests.fixtures.waiting import wait_for
 
 API_KEY = "ray-key"
@@ -83,54 +86,18 @@ def replicas(
         drain_timeout=5,
     )
     try:
-        # Generous limits, for failures only: a machine overloaded by other jobs once took 450 s.
+        # Generous limit, for failures only: a machine overloaded by other jobs once took 450 s. Ready
+        # means both replicas serve through the proxy: the tests start sending at once.
         srv.wait_ready(timeout=600)
-        wait_for_every_replica(srv, timeout=180)
         yield srv
     finally:
         assert srv.stop(timeout=60) == 0, srv.logs()
-
-
-def running_replica_ids() -> set[str]:
-    from ray import serve
-
-    app = serve.status().applications.get(APP_NAME)
-    if app is None or app.status != "RUNNING":
-        return set()
-    names = [a["name"] for a in ray_named_actors() if INGRESS_DEPLOYMENT in a["name"]]
-    return {name.rsplit("#", 1)[-1] for name in names}
 
 
 def ray_named_actors() -> list[dict[str, str]]:
     import ray
 
     return list(ray.util.list_named_actors(all_namespaces=True))
-
-
-def wait_for_every_replica(srv: ServerProcess, timeout: float) -> None:
-    """/health answers as soon as Ray's proxy reaches one replica, while another may still be loading
-    its model (seen: /health 200 with one replica RUNNING, one STARTING), and requests sent then all
-    go to the first. So wait, as the driver's serve.run does, for the application to be RUNNING
-    (every replica started), then until the proxy has answered from each replica (it learns of them
-    from the controller asynchronously). Not for a count: with one replica the spread test must fail,
-    not this."""
-    deadline = time.monotonic() + timeout
-    try:
-        expected = wait_for(running_replica_ids, timeout, interval=0.5, what="the application to be RUNNING")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{srv.logs()}") from None
-    seen: set[str] = set()
-
-    def reached() -> set[str]:
-        seen.add(httpx.get(srv.url + "/health", timeout=30).headers.get(REPLICA_HEADER, ""))
-        return seen
-
-    wait_for(
-        reached,
-        max(0.0, deadline - time.monotonic()),  # one budget for both waits
-        until=lambda replicas: expected <= replicas,
-        what=f"the proxy to answer from every replica of {expected}",
-    )
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, on_start: Callable[[str], None] | None = None) -> dict:
@@ -184,6 +151,8 @@ def prompts(n: int) -> list[str]:
 def test_streams_through_the_proxy_are_greedy_exact_and_spread(
     replicas: ServerProcess, greedy_reference: Any, tiny_hf: tuple[Any, Any]
 ) -> None:
+    """Sent the moment /health first answers 200: ready means both replicas serve (it once meant one
+    could, and all requests went to it while the other loaded)."""
     tok = tiny_hf[1]
     texts = prompts(16)
     results = run_concurrently([lambda p=p: stream_completion(replicas.url, p, 24) for p in texts])
@@ -192,6 +161,18 @@ def test_streams_through_the_proxy_are_greedy_exact_and_spread(
         assert result["done"] and result["text"] == greedy_reference(tok.encode(prompt), 24)[1], result
     served_by = {r["replica"] for r in results}
     assert len(served_by) == 2 and None not in served_by, served_by
+
+
+@pytest.mark.slow
+def test_health_metrics_and_start_up_line_count_the_ready_replicas(replicas: ServerProcess) -> None:
+    health = httpx.get(replicas.url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "replicas": {"ready": 2, "desired": 2}}
+    samples = scrape_metrics(replicas.url)
+    assert metric(samples, "domino_replicas_ready", model_name="tiny") == 2
+    assert metric(samples, "domino_replicas_desired", model_name="tiny") == 2
+    # Each replica's own 1-of-1 gauges are replaced by the deployment's, not labelled per replica.
+    assert not [labels for (name, labels) in samples if name == "domino_replicas_ready" and dict(labels).get("replica")]
+    assert "(2 of 2 replica(s) ready)" in replicas.logs()
 
 
 @pytest.mark.slow
@@ -314,6 +295,43 @@ def test_deployment_options_follow_the_settings() -> None:
         Settings(replicas=4, max_replicas=2)
 
 
+def test_readiness_waits_for_every_replica_asked_for() -> None:
+    """The hub counts replicas that pushed (engine loaded) and are healthy; /health stays 503
+    "starting" until the driver saw every replica through the proxy, or the start-up timeout passed."""
+    from fastapi.responses import JSONResponse
+
+    ok = JSONResponse({"status": "ok"})
+    hub = MetricsHub(desired=2, ready_timeout=600)
+    hub.record("a", [])
+    starting = cluster_health_response(ok, hub.readiness())
+    assert starting.status_code == 503
+    assert json.loads(bytes(starting.body)) == {"status": "starting", "replicas": {"ready": 1, "desired": 2}}
+    hub.record("b", [], healthy=False)  # its worker died: it cannot serve
+    assert hub.readiness().ready == ("a",)
+    hub.record("b", [])
+    assert hub.readiness().ready == ("a", "b") and not hub.readiness().started
+    hub.mark_started()
+    ready = cluster_health_response(ok, hub.readiness())
+    assert ready.status_code == 200
+    assert json.loads(bytes(ready.body)) == {"status": "ok", "replicas": {"ready": 2, "desired": 2}}
+    # A replica's own 503 (unloaded, draining) is kept, with the counts.
+    draining = cluster_health_response(JSONResponse({"status": "draining"}, status_code=503), hub.readiness())
+    assert draining.status_code == 503 and json.loads(bytes(draining.body))["status"] == "draining"
+    # Past the start-up timeout the deployment is ready with what it has.
+    late = MetricsHub(desired=2, ready_timeout=1e-9)
+    late.record("a", [])
+    assert late.readiness() == Readiness(("a",), 2, True)
+
+
+def test_driver_sees_a_loaded_replica_through_its_health(server_factory: Callable[..., ServerProcess]) -> None:
+    """The driver's probe against a real server: a loaded replica is named by its header; nothing
+    listening is no replica."""
+    srv = server_factory(replica_name="pod-a")
+    assert loaded_replica_behind(srv.url) == "pod-a"
+    assert loaded_replica_behind(local_url("127.0.0.1", free_port())) is None
+    assert local_url("0.0.0.0", 8000) == "http://127.0.0.1:8000" and local_url("::", 80) == "http://[::1]:80"
+
+
 def test_merged_exposition_labels_each_replica() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -330,6 +348,20 @@ def test_merged_exposition_labels_each_replica() -> None:
     assert tokens == {"a": 5.0, "b": 7.0}
     assert text.count("# TYPE domino_generation_tokens_total counter") == 1
     assert len(list(ReplicaFamilies({}).collect())) == 0
+    # The replica counts are the hub's, once, not each replica's own 1 of 1.
+    hub = MetricsHub(desired=3)
+    hub.record("a", [])
+    with_counts = cluster_exposition({"a": list(first.registry.collect())}, hub.readiness(), "m").decode()
+    gauges = {
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for f in text_string_to_metric_families(with_counts)
+        for s in f.samples
+        if s.name.startswith("domino_replicas_")
+    }
+    assert gauges == {
+        ("domino_replicas_ready", (("model_name", "m"),), 1.0),
+        ("domino_replicas_desired", (("model_name", "m"),), 3.0),
+    }
 
 
 def test_cluster_metrics_route_answers_instead_of_the_apps_own() -> None:
@@ -341,12 +373,18 @@ def test_cluster_metrics_route_answers_instead_of_the_apps_own() -> None:
     from app.ray_serve import install_cluster_metrics
     from app.server import create_app
 
-    class Snapshot:
-        async def remote(self) -> dict[str, list[Any]]:
-            return {"a": list(Metrics("m", 2, 4).registry.collect())}
+    hub = MetricsHub(desired=2)
+    hub.record("a", list(Metrics("m", 2, 4).registry.collect()))
 
-    class Hub:
-        snapshot = Snapshot()
+    class Remote:
+        def __init__(self, method: Callable[[], Any]) -> None:
+            self.method = method
+
+        async def remote(self) -> Any:
+            return self.method()
+
+    class Hub:  # the hub itself behind a DeploymentHandle's call shape
+        snapshot, readiness = Remote(hub.snapshot), Remote(hub.readiness)
 
     app = create_app(Settings())
     install_cluster_metrics(app, Hub(), "a")  # type: ignore[arg-type]  # only .snapshot.remote() is used
@@ -357,7 +395,11 @@ def test_cluster_metrics_route_answers_instead_of_the_apps_own() -> None:
 
     metrics, schema = asyncio.run(get("/metrics")), asyncio.run(get("/openapi.json"))
     assert metrics.status_code == 200 and 'domino_num_requests_running{model_name="m",replica="a"}' in metrics.text
-    assert schema.status_code == 200 and "/metrics" in schema.json()["paths"]
+    assert schema.status_code == 200 and {"/metrics", "/health"} <= set(schema.json()["paths"])
+    # /health too is the cluster's: this app has no engine loaded, so 503, with the deployment's counts.
+    health = asyncio.run(get("/health"))
+    assert health.status_code == 503
+    assert health.json() == {"status": "unavailable", "replicas": {"ready": 1, "desired": 2}}
 
 
 def test_guard_names_the_replica_on_every_response() -> None:
