@@ -102,7 +102,8 @@ class Engine:
         # all in the caches yet, oldest first, in the slots after the decoding rows'.
         self.token_budget = cfg.max_num_batched_tokens if not self.runner.capture else None
         self.prefilling: list[Row] = []
-        self.num_prefill_chunks = 0  # prompt chunks forwarded (each a forward of one row's next tokens)
+        self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
+        self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
         self.scheduler = Scheduler(
             cfg.max_batch_size, self.runner.blocks, self.runner.lookahead, self.runner.share_prefixes
         )
@@ -186,6 +187,7 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         counted = KV_READS.bytes
+        self.last_prefill_tokens = 0
         try:
             return self._step()
         finally:
@@ -228,9 +230,9 @@ class Engine:
                 self.runner.seat(row, len(self.rows) + len(self.prefilling))
                 self.prefilling.append(row)
         decoded = 0
+        self.last_timing = None  # this step's: the decode's, else the prefill's
         if self.rows:
             decoded = len(self.rows) * (self.max_drafts_per_step + 1)  # a bound, if the step fails
-            self.last_timing = None
             self._decode_running(outputs)
             if self.last_timing is not None and self.last_timing.kind == "decode":
                 decoded = self.last_timing.batch_size * (self.last_timing.num_drafts + 1)
@@ -241,37 +243,85 @@ class Engine:
         return outputs
 
     def _prefill_chunks(self, budget: int) -> list[RequestOutput]:
-        """Forward up to `budget` prompt tokens of the prefilling rows, oldest first: a row gets
-        tokens only once every older one is done, so the rows that finish are the first ones, which
-        then join the decoding rows in the slots they hold. A prompt scored for its logprobs is
-        forwarded whole. A chunk that fails fails its request alone."""
-        outputs: list[RequestOutput] = []
-        t0 = time.perf_counter()
-        while self.prefilling and budget > 0:
-            row = self.prefilling[0]
+        """Forward up to `budget` prompt tokens of the prefilling rows, oldest first, in one
+        prefill (forwards grouped as `prefill_split_tokens` says, like whole prompts): a row gets
+        tokens only once every older one is done, so all but the last row taken finish, and join
+        the decoding rows in the slots they hold. A prompt scored for its logprobs is forwarded
+        whole and alone. If the prefill fails, each row's chunk is retried alone, so a bad one fails alone."""
+        taken: list[tuple[Row, int]] = []
+        for row in self.prefilling:
+            if budget <= 0:
+                break
             remaining = cached_tokens(row) - row.prefilled
-            whole = row.params.prompt_logprobs is not None and not row.output_ids
-            n = remaining if whole else min(remaining, budget)
+            scored = row.params.prompt_logprobs is not None and not row.output_ids
+            if scored and taken:
+                break  # next step, alone: padding beside other rows would move its scores in the last bits
+            taken.append((row, remaining if scored else min(remaining, budget)))
+            budget -= taken[-1][1]
+            if scored:
+                break
+        t0 = time.perf_counter()
+        rows = [row for row, _ in taken]
+        states = [row.generator.bit_generator.state for row in rows]
+        try:
+            result = self.runner.prefiller.run(rows, len(self.rows), chunk=[n for _, n in taken])
+            results = [(result, result.rows.index(row)) for row in rows]
+        except Exception:  # noqa: BLE001 - retried row by row below
+            for row, state in zip(rows, states):
+                row.generator.bit_generator.state = state  # the retry draws the same random numbers
+            for j, row in enumerate(self.prefilling):  # the failed prefill placed them in its order
+                self.runner.seat(row, len(self.rows) + j)
+            return self._prefill_chunks_alone(taken, t0)
+        self.num_prefill_chunks += len(taken)
+        self.last_prefill_tokens += sum(n for _, n in taken)
+        # The prefill sorted its rows by chunk length: the finished ones take the first slots (they
+        # join the decoding rows), the unfinished one (the last taken, if any) the next.
+        finished = [row for row in rows if row.prefilled == cached_tokens(row)]
+        for j, row in enumerate([*finished, *(row for row in rows if row.prefilled < cached_tokens(row))]):
+            self.runner.seat(row, len(self.rows) + j)
+        self.prefilling = [row for row in self.prefilling if row.prefilled < cached_tokens(row)]
+        return self._join_decoding(finished, {id(row): res for row, res in zip(rows, results)}, t0)
+
+    def _prefill_chunks_alone(self, taken: list[tuple[Row, int]], t0: float) -> list[RequestOutput]:
+        """The chunks of `taken` forwarded one row at a time; a chunk that fails fails its request."""
+        outputs: list[RequestOutput] = []
+        for row, n in taken:
+            if not self.prefilling or self.prefilling[0] is not row:
+                break  # an older row failed and left, or is not done: this one waits
             state = row.generator.bit_generator.state
             try:
-                result = self.runner.prefiller.run([row], len(self.rows), chunk=n)
+                result = self.runner.prefiller.run([row], len(self.rows), chunk=[n])
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 row.generator.bit_generator.state = state
                 self._remove_prefilling(0)
                 outputs.append(self._error_output(row, exc))
                 continue
-            budget -= n
             self.num_prefill_chunks += 1
+            self.last_prefill_tokens += n
             if row.prefilled < cached_tokens(row):
                 break
             self.prefilling.pop(0)
-            self.rows.append(row)
-            output = self._first_output(row, result, 0)
+            outputs.extend(self._join_decoding([row], {id(row): (result, 0)}, t0))
+        return outputs
+
+    def _join_decoding(
+        self, finished: list[Row], results: dict[int, tuple[PrefillResult, int]], t0: float
+    ) -> list[RequestOutput]:
+        """Rows whose prompt is in, already in the slots after the decoding rows: they decode from
+        now on, with the first token their prefill chose."""
+        base = len(self.rows)
+        self.rows.extend(finished)
+        outputs, done = [], []
+        for j, row in enumerate(finished):
+            result, i = results[id(row)]
+            output = self._first_output(row, result, i)
             if output is not None:
                 outputs.append(output)
                 if output.finished:
-                    self._remove_rows([len(self.rows) - 1])
-        self.last_timing = StepTiming("prefill", 1, 0.0, time.perf_counter() - t0)
+                    done.append(base + j)
+        self._remove_rows(done)
+        if self.last_timing is None or self.last_timing.kind != "decode":  # a decode this step keeps its timing
+            self.last_timing = StepTiming("prefill", len(finished), 0.0, time.perf_counter() - t0)
         return outputs
 
     def _remove_prefilling(self, k: int) -> None:
@@ -339,7 +389,9 @@ class Engine:
         self.policy.on_admit()
         t0 = time.perf_counter()
         lo = len(self.rows)
+        before = sum(row.prefilled for row in new)
         result = self.runner.prefiller.run(new, lo)
+        self.last_prefill_tokens += sum(row.prefilled for row in new) - before
         self.rows.extend(result.rows)
         outputs, done = [], []
         for i, row in enumerate(result.rows):

@@ -82,21 +82,22 @@ class Prefiller:
         self.device = target.device
 
     @torch.inference_mode()
-    def run(self, new: list[Row], lo: int, chunk: int | None = None) -> PrefillResult:
+    def run(self, new: list[Row], lo: int, chunk: list[int] | None = None) -> PrefillResult:
         """Prefill `new` into slots lo..: rows sorted by length, split where padding would cost more
         than another forward, each after what its caches hold (`Row.prefilled`: shared prompt
         blocks, earlier chunks). The caches advance only once every forward succeeded. A row that
         was preempted (it has output already) is recomputed: its prompt and output but the last
         token (its anchor) go back into the caches, and nothing is chosen, drawn, scored or
-        captured for it again. `chunk`: forward at most that many tokens per row (chunked prefill);
-        a row whose prompt is not done yet gets no first token (None) and no random draw, and its
+        captured for it again. `chunk`: forward that many tokens of each row (chunked prefill); a
+        row whose prompt is not done yet gets no first token (None) and no random draw, and its
         blocks are indexed for sharing only once it is."""
         dev = self.device
         resumed = {id(r) for r in new if r.output_ids}
         ids = {id(r): cache_ids(r) for r in new}
         cached = {id(r): r.prefilled for r in new}
-        todo = {id(r): len(ids[id(r)]) - r.prefilled if chunk is None else min(chunk, len(ids[id(r)]) - r.prefilled)
-                for r in new}  # fmt: skip
+        todo = {id(r): len(ids[id(r)]) - r.prefilled for r in new}
+        if chunk is not None:
+            todo = {id(r): min(n, todo[id(r)]) for r, n in zip(new, chunk)}
         new = sorted(new, key=lambda r: todo[id(r)])
         self.place(new, lo)
         starts = [cached[id(r)] for r in new]
