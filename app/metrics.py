@@ -12,6 +12,9 @@ from app.ray_serve import REPLICA_GAUGES
 from model.engine.requests import PROPOSERS
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# Prompt tokens forwarded per step: powers of 4 to the longest contexts served, 2x apart at the
+# budgets a chunked-prefill setting is likely to use (DOMINO_MAX_NUM_BATCHED_TOKENS).
+PREFILL_TOKEN_BUCKETS = (1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 65536.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -113,6 +116,12 @@ class Metrics:
         )
         draft_seconds = histogram("domino_draft_step_seconds", "Drafting time per decode step.", STEP_BUCKETS)
         verify_seconds = histogram("domino_verify_step_seconds", "Target verify time per decode step.", STEP_BUCKETS)
+        prefill_tokens = histogram(
+            "domino_prefill_tokens_per_step",
+            "Prompt tokens forwarded by an engine step that prefilled (whole prompts or chunks); with "
+            "DOMINO_MAX_NUM_BATCHED_TOKENS at most the budget (a prompt scored for its logprobs goes whole).",
+            PREFILL_TOKEN_BUCKETS,
+        )
         self.acceptance_length = acceptance_length.labels(m)
         self.time_to_first_token = ttft.labels(m)
         self.inter_token_latency = itl.labels(m)
@@ -121,6 +130,7 @@ class Metrics:
         self.batch_size = batch_size.labels(m)
         self.draft_seconds = draft_seconds.labels(m)
         self.verify_seconds = verify_seconds.labels(m)
+        self.prefill_tokens_per_step = prefill_tokens.labels(m)
 
     def accepted_position(self, position: int) -> Counter:
         while position >= len(self.accepted_per_position):  # a drafter proposing more than announced

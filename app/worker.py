@@ -312,6 +312,8 @@ class EngineWorker:
             if timing.num_drafts > 0:  # steps that drafted (the adaptive policy may pause drafting)
                 m.draft_seconds.observe(timing.draft_seconds)
             m.verify_seconds.observe(timing.verify_seconds)
+        if self.engine.last_prefill_tokens > 0:
+            m.prefill_tokens_per_step.observe(self.engine.last_prefill_tokens)
         batch: list[tuple[RequestHandle, SeqEvent]] = []
         for out in outputs:
             state = self.states.get(out.request_id)

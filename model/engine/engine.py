@@ -265,7 +265,6 @@ class Engine:
         states = [row.generator.bit_generator.state for row in rows]
         try:
             result = self.runner.prefiller.run(rows, len(self.rows), chunk=[n for _, n in taken])
-            results = [(result, result.rows.index(row)) for row in rows]
         except Exception:  # noqa: BLE001 - retried row by row below
             for row, state in zip(rows, states):
                 row.generator.bit_generator.state = state  # the retry draws the same random numbers
@@ -276,11 +275,12 @@ class Engine:
         self.last_prefill_tokens += sum(n for _, n in taken)
         # The prefill sorted its rows by chunk length: the finished ones take the first slots (they
         # join the decoding rows), the unfinished one (the last taken, if any) the next.
-        finished = [row for row in rows if row.prefilled == cached_tokens(row)]
-        for j, row in enumerate([*finished, *(row for row in rows if row.prefilled < cached_tokens(row))]):
+        done = {id(row) for row in rows if row.prefilled == cached_tokens(row)}
+        finished = [row for row in rows if id(row) in done]
+        for j, row in enumerate([*finished, *(row for row in rows if id(row) not in done)]):
             self.runner.seat(row, len(self.rows) + j)
-        self.prefilling = [row for row in self.prefilling if row.prefilled < cached_tokens(row)]
-        return self._join_decoding(finished, {id(row): res for row, res in zip(rows, results)}, t0)
+        self.prefilling = [row for row in self.prefilling if id(row) not in done]
+        return self._join_decoding(finished, result, t0)
 
     def _prefill_chunks_alone(self, taken: list[tuple[Row, int]], t0: float) -> list[RequestOutput]:
         """The chunks of `taken` forwarded one row at a time; a chunk that fails fails its request."""
@@ -301,20 +301,17 @@ class Engine:
             if row.prefilled < cached_tokens(row):
                 break
             self.prefilling.pop(0)
-            outputs.extend(self._join_decoding([row], {id(row): (result, 0)}, t0))
+            outputs.extend(self._join_decoding([row], result, t0))
         return outputs
 
-    def _join_decoding(
-        self, finished: list[Row], results: dict[int, tuple[PrefillResult, int]], t0: float
-    ) -> list[RequestOutput]:
-        """Rows whose prompt is in, already in the slots after the decoding rows: they decode from
-        now on, with the first token their prefill chose."""
+    def _join_decoding(self, finished: list[Row], result: PrefillResult, t0: float) -> list[RequestOutput]:
+        """Rows whose prompt is in (all in `result`), already in the slots after the decoding rows:
+        they decode from now on, with the first token their prefill chose."""
         base = len(self.rows)
         self.rows.extend(finished)
         outputs, done = [], []
         for j, row in enumerate(finished):
-            result, i = results[id(row)]
-            output = self._first_output(row, result, i)
+            output = self._first_output(row, result, result.rows.index(row))
             if output is not None:
                 outputs.append(output)
                 if output.finished:

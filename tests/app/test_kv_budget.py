@@ -49,5 +49,11 @@ def test_chunked_prefill_served_answers_as_alone(server_factory: Callable[..., S
         return [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
 
     together = complete(prompts)
-    assert metric(scrape_metrics(srv.url), "domino_prefill_chunks_total") >= 120 // 16
+    samples = scrape_metrics(srv.url)
+    assert metric(samples, "domino_prefill_chunks_total") >= 120 // 16
+    # Every step that prefilled forwarded at most the budget, and all of the prompts went in.
+    steps = metric(samples, "domino_prefill_tokens_per_step_count")
+    assert steps >= 120 // 16
+    assert metric(samples, "domino_prefill_tokens_per_step_bucket", le="16.0") == steps
+    assert metric(samples, "domino_prefill_tokens_per_step_sum") == 3 * 4 + 120
     assert [complete(p)[0] for p in prompts] == together
