@@ -52,6 +52,9 @@ READS = frozenset(
 )
 # Ops whose output shape depends on the data: the host waits for the device to learn it.
 SHAPE_SYNCS = frozenset(["nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"])
+# Factories that copy their data argument (Python values, NumPy, a host tensor) to `device=`.
+DATA_FACTORIES = frozenset(["tensor", "as_tensor", "asarray"])
+INDEXING = frozenset(["__getitem__", "__setitem__"])
 
 
 class Excluded:
@@ -163,6 +166,10 @@ class ReadCounter(TorchFunctionMode):
         self.counts: dict[str, Counter[str]] = {
             f"{view}:{kind}": Counter() for view in ("all", "device") for kind in ("read", "shape")
         }
+        # Host->device copies, in the device view only (on the CPU the "all" view cannot tell them):
+        # "h2d" blocking (on CUDA the host waits for a pageable copy), "h2d_async" asked for with
+        # non_blocking=True (which does not block only from pinned memory; the counter cannot see pinning).
+        self.counts.update({"device:h2d": Counter(), "device:h2d_async": Counter()})
         self.host_devices: dict[int, torch.device] = {}  # `.device` objects read from host tensors
 
     def total(self, key: str) -> int:
@@ -197,6 +204,9 @@ class ReadCounter(TorchFunctionMode):
         return out
 
     def _count(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        copy = self._host_to_device(name, args, kwargs)
+        if copy is not None:
+            self.counts[f"device:{copy}"][f"{call_site()} .{name}"] += 1
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if src is None:
             return
@@ -208,6 +218,38 @@ class ReadCounter(TorchFunctionMode):
             if kind is not None:
                 site = site or f"{call_site()} .{name}"
                 self.counts[f"{view}:{kind}"][site] += 1
+
+    def _host_to_device(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """"h2d" / "h2d_async" when the call copies host data to the device, else None: `.to(device)`
+        / `.cuda()` of a host tensor; `torch.tensor(data, device=...)` (and as_tensor, asarray) of
+        anything but a device tensor; indexing a device tensor with a Python list, or assigning one
+        into it; any other call that mixes device tensors with host tensors of one or more
+        dimensions (`dev.copy_(host)`, `dev[host_index]`; on CUDA the host one is copied over, or the
+        call fails). Host scalars (0-dim) travel as kernel arguments and do not count."""
+        kind = "h2d_async" if kwargs.get("non_blocking") else "h2d"
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name in ("to", "cuda") and src is not None:
+            target = _to_target(args, kwargs) if name == "to" else "cuda"
+            if target is None or not self.is_host(src):
+                return None
+            return kind if name == "cuda" or not self._host_target(target) else None
+        if name in DATA_FACTORIES:
+            device = kwargs.get("device")
+            data = args[0] if args else kwargs.get("data")
+            if device is None or self._host_target(device):
+                return None
+            return None if isinstance(data, torch.Tensor) and not self.is_host(data) else kind
+        tensors = _tensors(args) + _tensors(kwargs.values())
+        if not any(not self.is_host(t) for t in tensors):
+            return None  # host-only (or no tensors): nothing reaches the device
+        if src is not None and self.is_host(src) and _in_place(name):
+            return None  # written into a host tensor: a device read (counted as one), not a copy to it
+        if name in INDEXING and src is not None and not self.is_host(src):
+            if any(isinstance(v, list) for v in args[1:3]):
+                return kind  # dev[[0, 2]], dev[i] = [1, 2]: the list becomes a host tensor, copied
+        if any(self.is_host(t) and t.dim() > 0 for t in tensors):
+            return kind
+        return None
 
     def _device_kind(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], src: torch.Tensor) -> str | None:
         if name in READS:

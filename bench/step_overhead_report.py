@@ -17,6 +17,8 @@ COUNTS = {  # JSON field: ReadCounter key
     "shape_syncs": "all:shape",
     "device_reads": "device:read",
     "device_shape_syncs": "device:shape",
+    "h2d_copies": "device:h2d",  # host->device copies that block (bench/host_reads.py)
+    "h2d_async_copies": "device:h2d_async",  # asked for with non_blocking=True
 }
 
 
@@ -111,7 +113,8 @@ def markdown(result: dict[str, Any]) -> str:
     on = f"{env['gpu']} (host: {env['cpu']})" if cuda else f"{env['cpu']}{bf16}"
     columns = ["mode", "policy", "batch", "sampling", "host ms/step (median)", "host ms (p25)", "host CPU ms (median)"]
     columns += ["step ms (median)", "captured ms (median)", "reads/step (mean, max)", "device reads/step (mean, max)"]
-    columns += ["device shape syncs/step"] + (["CUDA syncs/step"] if cuda else [])
+    columns += ["device shape syncs/step", "blocking H2D copies/step", "non-blocking H2D copies/step"]
+    columns += ["CUDA syncs/step"] if cuda else []
     columns += ["KV KiB read/step", "tokens/row/step", "drafter buckets/step"]
     lines = [
         "# Host time per decode step outside the captured functions (`python -m bench.step_overhead`)",
@@ -137,7 +140,9 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "- device reads: of tensors that live on the device on CUDA"
         + (" (on the CPU estimated by residency tracking; host-side policy tensors excluded)." if not cuda else ".")
-        + " Shape syncs: ops whose output shape depends on device data (`nonzero`, boolean masks).",
+        + " Shape syncs: ops whose output shape depends on device data (`nonzero`, boolean masks)."
+        + " H2D copies: host data copied to the device (`torch.tensor(..., device=)`, `.to(device)` of a host"
+        + " tensor, host tensors or lists mixed into device ops), blocking or asked for with `non_blocking=True`.",
         "",
         "| " + " | ".join(columns) + " |",
         "|---|---|---:|---|" + "---:|" * (len(columns) - 4),
@@ -156,6 +161,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['reads']['mean']:.1f}, {r['reads']['max']}",
             f"{r['device_reads']['mean']:.1f}, {r['device_reads']['max']}",
             f"{r['device_shape_syncs']['mean']:.1f}",
+            f"{r['h2d_copies']['mean']:.1f}",
+            f"{r['h2d_async_copies']['mean']:.1f}",
         ]
         if cuda:
             cells.append(f"{r['cuda_syncs']['mean']:.1f}")
@@ -184,6 +191,9 @@ def markdown(result: dict[str, Any]) -> str:
             for site in sites:
                 n_all, n_dev = _per_step(every, site, r["steps"]), _per_step(device, site, r["steps"])
                 lines.append(f"- {kind} {n_all} / {n_dev}: `{site}`")
+        for name, label in (("h2d_copies", "blocking H2D copy"), ("h2d_async_copies", "non-blocking H2D copy")):
+            for site in r[name]["by_site"]:
+                lines.append(f"- {label} {_per_step(r[name], site, r['steps'])}: `{site}`")
         if r["cuda_syncs"] is not None:
             for site in r["cuda_syncs"]["by_site"]:
                 lines.append(f"- CUDA sync {_per_step(r['cuda_syncs'], site, r['steps'])}: `{site}`")

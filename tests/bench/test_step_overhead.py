@@ -11,7 +11,7 @@ import torch
 from bench.host_reads import ReadCounter
 from bench.step_overhead import main
 
-COUNTS = ("reads", "shape_syncs", "device_reads", "device_shape_syncs")
+COUNTS = ("reads", "shape_syncs", "device_reads", "device_shape_syncs", "h2d_copies", "h2d_async_copies")
 
 
 def test_short_run_reports_every_case(tmp_path: Path) -> None:
@@ -75,3 +75,29 @@ def test_read_counter_views() -> None:
     assert counter.total("device:read") == 4  # x.tolist, x.cpu, bool(...), copy_
     assert counter.total("all:shape") == 2 and counter.total("device:shape") == 1
     assert all("test_step_overhead.py" in site for site in counter.counts["device:read"])
+    assert counter.total("device:h2d") == counter.total("device:h2d_async") == 0  # nothing went host->device
+
+
+def test_read_counter_counts_host_to_device_copies() -> None:
+    """Copies of host data to the device, blocking or asked for with non_blocking=True; device-only
+    work, host scalars and writes into host tensors are no such copies."""
+    cpu = torch.device("cpu")
+    counter = ReadCounter(cpu)
+    counter.counting = True
+    with counter:
+        x = torch.zeros(4, device=cpu)  # a device tensor
+        h = torch.tensor([1, 2])  # a host tensor
+        torch.tensor([1, 2], device=cpu)  # 1: Python data to the device
+        h.to(x.device)  # 2
+        h.to(x.device, non_blocking=True)  # async
+        x.copy_(torch.ones(4))  # 3: a host tensor into a device one
+        x[[0, 1]]  # 4: a list index becomes a host tensor, copied over
+        x[h]  # 5: a host index tensor
+        torch.as_tensor(x, device=cpu)  # already on the device: no copy
+        x[1] = 3.0  # a scalar: a kernel argument
+        x + torch.tensor(2.0)  # a host scalar tensor: a kernel argument
+        torch.zeros(4).copy_(x)  # into a host tensor: a device read
+        torch.full((3,), 1, device=x.device)  # made on the device
+        h.to(h.device)  # stays on the host
+    assert counter.total("device:h2d") == 5 and counter.total("device:h2d_async") == 1
+    assert counter.total("device:read") == 1
