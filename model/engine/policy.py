@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from model.engine.costs import (
@@ -40,6 +41,7 @@ from model.engine.costs import (
 from model.engine.proposers import Proposal
 from model.engine.row import Row
 from model.engine.step import DecodeStep, StepChoice, StepPlan
+from model.upload import upload
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
@@ -280,7 +282,7 @@ class DraftPolicy:
         mine = [i for i in range(a, b) if step.greedy_rows[i] and not step.choice.use_ngram[i]]
         if k == 0 or not mine:
             return
-        idx = torch.tensor(mine, device=step.accepted.device)
+        (idx,) = upload([np.array(mine, dtype=np.int64)], step.accepted.device)
         confidence = step.draft.confidence
         assert confidence is not None  # `choose` checked
         conf = confidence[idx - a, : min(k, confidence.shape[1])].float()

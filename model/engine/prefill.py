@@ -141,7 +141,7 @@ class Prefiller:
         first_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
         if fresh:
             rows = [new[i] for i in fresh]
-            sampling = SamplingBatch.of_params([r.params for r in rows], draw_uniforms(rows, 1, dev), dev)
+            sampling = SamplingBatch.of_params([r.params for r in rows], draw_uniforms(rows, 1), dev)
             scores = process_logits([r.processor for r in rows], logits[fresh][:, None], None)[:, 0]
             for i, tok in zip(fresh, pick_tokens(scores, sampling, slot=0)[0].tolist()):
                 first[i] = tok

@@ -5,11 +5,13 @@ token after the last accepted one. Pure tensor work over one step: no caches, no
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model.engine.proposers import Proposal
 from model.engine.sampling import processed_probs, verify_greedy, verify_sampling
 from model.engine.step import DecodeStep, Drafts
+from model.upload import upload
 
 
 def assemble_drafts(step: DecodeStep, device: torch.device) -> Drafts:
@@ -26,19 +28,23 @@ def assemble_drafts(step: DecodeStep, device: torch.device) -> Drafts:
         tokens[a:b, :kd] = draft.tokens[:, :kd]
         if draft.token_probs is not None:
             token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
-    from_ngram = torch.tensor(choice.use_ngram, dtype=torch.bool)
-    if k > 0 and any(choice.use_ngram):
+    # What the choice adds from the host (counts, which rows copy, their copies), in one copy.
+    copying = k > 0 and any(choice.use_ngram)
+    copied = np.zeros((r, k if copying else 0), dtype=np.int64)
+    if copying:
         assert step.copies is not None
-        copied = torch.zeros(r, k, dtype=torch.long)
         for i in range(r):
             n = choice.counts[i]
             if choice.use_ngram[i] and step.copies.count(i) and n:
-                copied[i, :n] = step.copies.tokens[i, :n]
-        mask = from_ngram.to(device)[:, None]
-        tokens = torch.where(mask, copied.to(device), tokens)
+                copied[i, :n] = step.copies.tokens[i, :n].numpy()  # a host tensor (copies are made there)
+    counts, from_ngram, copied_on_device = upload(
+        [np.array(choice.counts, dtype=np.int64), np.array(choice.use_ngram, dtype=np.bool_), copied], device
+    )
+    if copying:
+        mask = from_ngram[:, None]
+        tokens = torch.where(mask, copied_on_device, tokens)
         token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
-    counts = torch.tensor(choice.counts, dtype=torch.long, device=device)
-    return Drafts(tokens, token_probs, counts, from_ngram.to(device))
+    return Drafts(tokens, token_probs, counts, from_ngram)
 
 
 def accept(

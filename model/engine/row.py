@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from model.engine.costs import NgramAcceptance
 from model.engine.logits_processors import RowProcessor
@@ -54,16 +53,16 @@ def seed_generator(seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed % 2**64)))
 
 
-def draw_uniforms(rows: list[Row], count: int, device: torch.device) -> torch.Tensor:
-    """`count` uniforms per sampling row from that row's own generator (a fixed number per step).
+def draw_uniforms(rows: list[Row], count: int) -> np.ndarray:
+    """`count` uniforms per sampling row from that row's own generator (a fixed number per step),
+    on the host: [R, count] float32, for the step's one copy to the device (model/upload.py).
 
     Greedy rows get zeros and never touch their generators: no per-row work in greedy batches."""
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if not sampled:
-        return torch.zeros(len(rows), count, device=device)
-    u = torch.zeros(len(rows), count)
-    u[sampled] = torch.from_numpy(np.stack([rows[i].generator.random(count, dtype=np.float32) for i in sampled]))
-    return u.to(device)
+    u = np.zeros((len(rows), count), dtype=np.float32)
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            u[i] = row.generator.random(count, dtype=np.float32)
+    return u
 
 
 def commit(row: Row, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:

@@ -190,11 +190,10 @@ class ModelRunner:
     def place(self, rows: Sequence[Row], lo: int = 0) -> None:
         """Rows now in slots lo..: each slot's block table becomes its row's (copied only where it
         changed)."""
-        for i, row in enumerate(rows):
-            table = self.blocks.table(row.request_id)
-            for cache in (self.cache, self.draft_cache):
-                if cache is not None:
-                    cache.set_table(lo + i, table)
+        tables = [self.blocks.table(row.request_id) for row in rows]
+        for cache in (self.cache, self.draft_cache):
+            if cache is not None:
+                cache.set_tables(range(lo, lo + len(rows)), tables)
 
     def seat(self, row: Row, slot: int) -> None:
         """A row admitted for a chunked prefill takes `slot`: its block table, and the length of

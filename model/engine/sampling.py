@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.engine.requests import SamplingParams
+from model.upload import upload
 
 
 @dataclass
@@ -38,16 +40,21 @@ class SamplingBatch:
 
     @classmethod
     def of_params(
-        cls, params: Sequence[SamplingParams], uniforms: torch.Tensor | None, device: torch.device
+        cls, params: Sequence[SamplingParams], uniforms: np.ndarray | None, device: torch.device
     ) -> SamplingBatch:
-        """The rows' settings on the device, with their uniforms; whether all are greedy known on the host."""
-        return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            uniforms=uniforms,
-            host_all_greedy=all(p.greedy for p in params),
-        )
+        """The rows' settings and uniforms (host, [R, D]) on the device in one copy; whether all are
+        greedy known on the host."""
+        drawn = [] if uniforms is None else [uniforms]
+        temperature, top_p, top_k, *on_device = upload([*host_params(params), *drawn], device)
+        return cls.of_device_params(params, (temperature, top_p, top_k), on_device[0] if drawn else None)
+
+    @classmethod
+    def of_device_params(
+        cls, params: Sequence[SamplingParams], device_params: Sequence[torch.Tensor], uniforms: torch.Tensor | None
+    ) -> SamplingBatch:
+        """From `host_params(params)` already on the device (uploaded with other data of a step)."""
+        temperature, top_p, top_k = device_params
+        return cls(temperature, top_p, top_k, uniforms, host_all_greedy=all(p.greedy for p in params))
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -68,6 +75,15 @@ class SamplingBatch:
             # A subset of all-greedy rows is all greedy; of mixed rows, unknown without a look.
             True if self.host_all_greedy else None,
         )
+
+
+def host_params(params: Sequence[SamplingParams]) -> list[np.ndarray]:
+    """The rows' temperature, top_p (float32) and top_k (int64) on the host, for `upload`."""
+    return [
+        np.array([p.temperature for p in params], dtype=np.float32),
+        np.array([p.top_p for p in params], dtype=np.float32),
+        np.array([p.top_k for p in params], dtype=np.int64),
+    ]
 
 
 def _expand(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

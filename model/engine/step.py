@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from model.engine.proposers import Proposal
 from model.engine.requests import TokenLogprob
 from model.engine.row import Row, draw_uniforms
-from model.engine.sampling import SamplingBatch
+from model.engine.sampling import SamplingBatch, host_params
+from model.upload import upload
 
 
 @dataclass(frozen=True)
@@ -125,14 +127,21 @@ class DecodeStep:
     ) -> DecodeStep:
         """Rows lo..hi-1 under `plan`, with their random draws for the step (`DrawLayout`)."""
         draws = DrawLayout(max(plan.drafter_slots, ngram_width))
-        uniforms = draw_uniforms(rows, draws.per_row, device)
         params = [row.params for row in rows]
+        # Everything the step needs from the host, in one copy.
+        anchors, uniforms, *device_params = upload(
+            [np.array([row.anchor for row in rows], dtype=np.int64), draw_uniforms(rows, draws.per_row)]
+            + host_params(params),
+            device,
+        )
         return cls(
             lo=lo,
             hi=hi,
             rows=rows,
-            anchors=torch.tensor([row.anchor for row in rows], dtype=torch.long, device=device),
-            sampling=SamplingBatch.of_params(params, draws.draft_slots(uniforms, plan.drafter_slots), device),
+            anchors=anchors,
+            sampling=SamplingBatch.of_device_params(
+                params, device_params, draws.draft_slots(uniforms, plan.drafter_slots)
+            ),
             uniforms=uniforms,
             draws=draws,
             plan=plan,

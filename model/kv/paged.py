@@ -26,7 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from model.upload import upload
 
 
 class PagedKV:
@@ -93,10 +96,11 @@ class PagedKV:
     # -- lengths ----------------------------------------------------------------------------------
 
     def set_lengths(self, lo: int, lengths: Sequence[int]) -> None:
-        """Slots lo.. now hold these committed lengths (one host->device copy)."""
+        """Slots lo.. now hold these committed lengths (one non-blocking host->device copy)."""
         n = len(lengths)
         self.host_lengths[lo : lo + n] = list(lengths)
-        self.lengths[lo : lo + n] = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        (on_device,) = upload([np.array(lengths, dtype=np.int64)], self.lengths.device)
+        self.lengths[lo : lo + n] = on_device
 
     def advance(self, lo: int, counts: torch.Tensor, host_counts: Sequence[int]) -> None:
         """Slots lo.. grow by `counts` [R] on the device and by the same `host_counts` on the host
@@ -118,20 +122,30 @@ class PagedKV:
     # -- rows -------------------------------------------------------------------------------------
 
     def set_table(self, slot: int, blocks: Sequence[int]) -> None:
-        """Slot `slot` now owns these blocks, in position order (one host->device copy when they
-        changed; the rest of its table points at the trash block)."""
-        if self.host_tables[slot] == list(blocks):
+        """Slot `slot` now owns these blocks, in position order (see `set_tables`)."""
+        self.set_tables([slot], [blocks])
+
+    def set_tables(self, slots: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
+        """Each slot now owns its blocks, in position order; the rest of its table points at the
+        trash block. The tables that changed go to the device in one non-blocking copy (none when
+        none changed: a row grows into a new block once every `block_size` tokens)."""
+        pairs = [(slot, list(blocks)) for slot, blocks in zip(slots, tables)]
+        changed = [(slot, blocks) for slot, blocks in pairs if self.host_tables[slot] != blocks]
+        if not changed:
             return
-        row = [*blocks, *[self.trash] * (self.tables.shape[1] - len(blocks))]
-        self.tables[slot] = torch.tensor(row, dtype=torch.long, device=self.tables.device)
-        self.host_tables[slot] = list(blocks)
+        rows = np.full((len(changed), self.tables.shape[1]), self.trash, dtype=np.int64)
+        for j, (slot, blocks) in enumerate(changed):
+            rows[j, : len(blocks)] = blocks
+            self.host_tables[slot] = blocks
+        index, values = upload([np.array([slot for slot, _ in changed], dtype=np.int64), rows], self.tables.device)
+        self.tables.index_copy_(0, index, values)
 
     def vacate(self, first: int) -> None:
         """Slots first.. hold no row: length 0 and every table entry the trash block, so a static
         step's padding rows write there and nowhere else (host-checked: no device write when they
         are vacant already)."""
-        for slot in range(first, self.num_slots):
-            self.set_table(slot, [])
+        slots = range(first, self.num_slots)
+        self.set_tables(slots, [[] for _ in slots])
         if any(self.host_lengths[first:]):
             self.set_lengths(first, [0] * (self.num_slots - first))
 

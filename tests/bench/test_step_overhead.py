@@ -34,6 +34,9 @@ def test_short_run_reports_every_case(tmp_path: Path) -> None:
             assert isinstance(counts["max"], int) and counts["max"] == max(counts["per_step"])
             assert sum(counts["by_site"].values()) == counts["total"] == sum(counts["per_step"])
         assert r["cuda_syncs"] is None  # CUDA only
+        # Issue 54: what a step needs from the host travels without blocking it (model/upload.py).
+        assert r["h2d_copies"]["max"] == 0, r["h2d_copies"]["by_site"]
+        assert 1 <= min(r["h2d_async_copies"]["per_step"])
         # Every step reads its results back at least once; the CPU view counts host tensors too.
         assert min(r["device_reads"]["per_step"]) >= 1
         assert r["reads"]["total"] + r["device_reads"]["total"] > 0
