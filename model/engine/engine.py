@@ -459,7 +459,7 @@ class Engine:
             # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
             draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
         else:
-            rows_ab = sampling.rows(torch.arange(a, b, device=self.device))
+            rows_ab = sampling.span(a, b)
             draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
         step.draft, step.draft_span = draft, span
         self.draft_forwards += 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from model.engine.costs import (
@@ -41,7 +40,6 @@ from model.engine.costs import (
 from model.engine.proposers import Proposal
 from model.engine.row import Row
 from model.engine.step import DecodeStep, StepChoice, StepPlan
-from model.upload import upload
 
 PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped paying
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
@@ -166,6 +164,7 @@ class DraftPolicy:
             self._choose_sampling_rows(choice, step, conf, in_span)
             self._choose_greedy_rows(choice, step, conf, copy_len, confidence is not None)
         if confidence is not None:
+            choice.confidence = conf
             choice.drafter_used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
         return choice
 
@@ -282,11 +281,13 @@ class DraftPolicy:
         mine = [i for i in range(a, b) if step.greedy_rows[i] and not step.choice.use_ngram[i]]
         if k == 0 or not mine:
             return
-        (idx,) = upload([np.array(mine, dtype=np.int64)], step.accepted.device)
-        confidence = step.draft.confidence
-        assert confidence is not None  # `choose` checked
-        conf = confidence[idx - a, : min(k, confidence.shape[1])].float()
-        self.calibration.observe(conf, step.drafts.counts[idx], step.accepted[idx])
+        # All on the host: the confidences `choose` read, the counts it chose, the step's results.
+        confidence, results = step.choice.confidence, step.results
+        assert confidence is not None and results is not None
+        rows = torch.tensor([i - a for i in mine])
+        conf = confidence[rows, : min(k, confidence.shape[1])]
+        counts = torch.tensor([step.choice.counts[i] for i in mine])
+        self.calibration.observe(conf, counts, torch.tensor([results.accepted[i] for i in mine]))
 
     def _adapt_drafting(self, used: int, d: int, full: bool) -> None:
         """After a drafter forward that had `used` of its `d` slots verified (at most, over rows)."""

@@ -37,14 +37,23 @@ def assemble_drafts(step: DecodeStep, device: torch.device) -> Drafts:
             n = choice.counts[i]
             if choice.use_ngram[i] and step.copies.count(i) and n:
                 copied[i, :n] = step.copies.tokens[i, :n].numpy()  # a host tensor (copies are made there)
-    counts, from_ngram, copied_on_device = upload(
-        [np.array(choice.counts, dtype=np.int64), np.array(choice.use_ngram, dtype=np.bool_), copied], device
+    greedy = [i for i in range(r) if step.greedy_rows[i]]
+    sampled = [i for i in range(r) if not step.greedy_rows[i]]
+    counts, from_ngram, copied_on_device, greedy_index, sampled_index = upload(
+        [
+            np.array(choice.counts, dtype=np.int64),
+            np.array(choice.use_ngram, dtype=np.bool_),
+            copied,
+            np.array(greedy, dtype=np.int64),
+            np.array(sampled, dtype=np.int64),
+        ],
+        device,
     )
     if copying:
         mask = from_ngram[:, None]
         tokens = torch.where(mask, copied_on_device, tokens)
         token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
-    return Drafts(tokens, token_probs, counts, from_ngram)
+    return Drafts(tokens, token_probs, counts, from_ngram, choice, greedy, greedy_index, sampled, sampled_index)
 
 
 def accept(
@@ -58,39 +67,46 @@ def accept(
     on the host, so no device read decides which branch runs."""
     drafts, sampling = step.drafts, step.sampling
     assert drafts is not None
+    choice = drafts.choice
     r, k = drafts.tokens.shape
     dev = scores.device
+    if len(drafts.greedy_rows) == r:  # all greedy: no scatter into place
+        return verify_greedy(scores, drafts.tokens, drafts.counts)
     accepted = torch.zeros(r, dtype=torch.long, device=dev)
     bonus = torch.zeros(r, dtype=torch.long, device=dev)
-    greedy = sampling.greedy
-    if any(step.greedy_rows):
-        g = greedy.nonzero().squeeze(1)
+    if drafts.greedy_rows:
+        g = drafts.greedy_index
         accepted[g], bonus[g] = verify_greedy(scores[g], drafts.tokens[g], drafts.counts[g])
-    if not sampling.all_greedy:
-        s = (~greedy).nonzero().squeeze(1)
-        p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s])
-        uniforms = step.uniforms[s]
-        accepted[s], bonus[s] = verify_sampling(
-            p,
-            drafts.tokens[s],
-            drafts.token_probs[s],
-            draft_dists(step.draft, s, step.draft_span, k),
-            drafts.counts[s],
-            step.draws.acceptance_tests(uniforms, k),
-            step.draws.final_token(uniforms),
-            draft_vocab_ids,
-            onehot=drafts.from_ngram[s],
-        )
+    s, rows = drafts.sampled_index, drafts.sampled_rows
+    params = None if sampling.host_params is None else [sampling.host_params[i] for i in rows]
+    p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s], params)
+    uniforms = step.uniforms[s]
+    dists = draft_dists(step.draft, rows, s, step.draft_span, k)
+    if dists is None and any(choice.counts[i] and not choice.use_ngram[i] for i in rows):
+        raise ValueError("sampling rows that verify the drafter's drafts need its distributions")
+    accepted[s], bonus[s] = verify_sampling(
+        p,
+        drafts.tokens[s],
+        drafts.token_probs[s],
+        dists,
+        drafts.counts[s],
+        step.draws.acceptance_tests(uniforms, k),
+        step.draws.final_token(uniforms),
+        draft_vocab_ids,
+        onehot=drafts.from_ngram[s] if any(choice.use_ngram[i] for i in rows) else None,
+    )
     return accepted, bonus
 
 
-def draft_dists(draft: Proposal | None, s: torch.Tensor, span: tuple[int, int], k: int) -> torch.Tensor | None:
-    """The drafter's distributions [S, k, Vd] for sampling rows s (rows it did not draft: zeros)."""
+def draft_dists(
+    draft: Proposal | None, idx: list[int], s: torch.Tensor, span: tuple[int, int], k: int
+) -> torch.Tensor | None:
+    """The drafter's distributions [S, k, Vd] for sampling rows idx (on the device: s); rows it did
+    not draft get zeros."""
     if draft is None or draft.draft_probs is None or k == 0:
         return None
     a, b = span
     d = draft.tokens.shape[1]
-    idx = s.tolist()
     if k <= d and all(a <= i < b for i in idx):
         return draft.draft_probs[s - a, :k]
     full = draft.draft_probs.new_zeros(len(idx), k, draft.draft_probs.shape[-1])

@@ -27,6 +27,9 @@ class SamplingBatch:
     # Whether every row is greedy, when the caller knows it on the host: no device->host read (a
     # CUDA graph cannot contain one, and eagerly it stalls the launch queue).
     host_all_greedy: bool | None = None
+    # The rows' parameters on the host, when the caller has them: what is decided from them (all
+    # greedy? any top-k or top-p?) is then decided without reading the device.
+    host_params: Sequence[SamplingParams] | None = None
 
     @classmethod
     def all_greedy_rows(cls, rows: int, device: torch.device | str) -> SamplingBatch:
@@ -54,7 +57,8 @@ class SamplingBatch:
     ) -> SamplingBatch:
         """From `host_params(params)` already on the device (uploaded with other data of a step)."""
         temperature, top_p, top_k = device_params
-        return cls(temperature, top_p, top_k, uniforms, host_all_greedy=all(p.greedy for p in params))
+        greedy = all(p.greedy for p in params)
+        return cls(temperature, top_p, top_k, uniforms, host_all_greedy=greedy, host_params=list(params))
 
     @property
     def greedy(self) -> torch.Tensor:
@@ -66,15 +70,13 @@ class SamplingBatch:
             return self.host_all_greedy
         return bool(self.greedy.all())
 
-    def rows(self, index: torch.Tensor) -> SamplingBatch:
-        return SamplingBatch(
-            self.temperature[index],
-            self.top_p[index],
-            self.top_k[index],
-            None if self.uniforms is None else self.uniforms[index],
-            # A subset of all-greedy rows is all greedy; of mixed rows, unknown without a look.
-            True if self.host_all_greedy else None,
-        )
+    def span(self, a: int, b: int) -> SamplingBatch:
+        """Rows a..b-1 (views)."""
+        params = None if self.host_params is None else self.host_params[a:b]
+        # A subset of all-greedy rows is all greedy; of mixed rows, their parameters tell, if known.
+        greedy = True if self.host_all_greedy else None if params is None else all(p.greedy for p in params)
+        uniforms = None if self.uniforms is None else self.uniforms[a:b]
+        return SamplingBatch(self.temperature[a:b], self.top_p[a:b], self.top_k[a:b], uniforms, greedy, params)
 
 
 def host_params(params: Sequence[SamplingParams]) -> list[np.ndarray]:
@@ -92,19 +94,28 @@ def _expand(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def processed_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    host_params: Sequence[SamplingParams] | None = None,
 ) -> torch.Tensor:
     """The distribution being sampled: temperature, then top-k, then top-p (as in HF generate).
 
-    logits [..., V]; temperature/top_k/top_p broadcastable per leading row ([R]).
+    logits [..., V]; temperature/top_k/top_p broadcastable per leading row ([R]). `host_params`,
+    the same rows' parameters on the host: whether any row filters is then known without a read.
     """
     temperature = _expand(temperature, logits)
     top_k = _expand(top_k, logits)
     top_p = _expand(top_p, logits)
     scores = logits.float() / temperature.clamp_min(1e-6)[..., None]
     vocab = scores.shape[-1]
-    use_k = bool(((top_k > 0) & (top_k < vocab)).any())
-    use_p = bool((top_p < 1).any())
+    if host_params is not None:
+        use_k = any(0 < p.top_k < vocab for p in host_params)
+        use_p = any(p.top_p < 1 for p in host_params)
+    else:
+        use_k = bool(((top_k > 0) & (top_k < vocab)).any())
+        use_p = bool((top_p < 1).any())
     if not (use_k or use_p):
         return torch.softmax(scores, dim=-1)
     sorted_scores, order = scores.sort(dim=-1, descending=True)
@@ -153,7 +164,7 @@ def pick_tokens(
         return top, greedy_probs, None, greedy_probs
     assert sampling.uniforms is not None, "sampling rows need uniforms"
     temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p)
+    probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p, sampling.host_params)
     u = sampling.uniforms[:, slot] if slot is not None else sampling.uniforms[:, : logits.shape[1]]
     sampled = sample_with_uniform(probs, u)
     greedy = _expand(sampling.greedy, logits)
@@ -211,18 +222,19 @@ def verify_sampling(
     rows = torch.arange(r, device=dev)
     p_final = target_probs[rows, accepted]  # [R, V]
     rejected = accepted < num_drafts
-    if bool(rejected.any()):
-        at = accepted.clamp_max(max(k - 1, 0))
+    # The residual for every row, selected where a draft was rejected: no read of the device to
+    # learn whether one was (k == 0: nothing to reject).
+    if k > 0:
+        at = accepted.clamp_max(k - 1)
         if draft_dists is not None:
             q_at = draft_dists[rows, at].to(p_final.dtype)
             if draft_vocab_ids is not None:
                 q_full = torch.zeros_like(p_final).index_copy_(1, draft_vocab_ids, q_at)
             else:
                 q_full = q_at
-        else:
-            assert onehot is not None and bool(onehot[rejected].all()), "rejected drafter rows need draft_dists"
+        else:  # only copies were verified (the caller checks on the host)
             q_full = torch.zeros_like(p_final)
-        if onehot is not None and bool(onehot.any()):
+        if onehot is not None:
             point = torch.zeros_like(p_final).scatter_(1, drafts[rows, at][:, None], 1.0)
             q_full = torch.where(onehot[:, None], point, q_full)
         residual = (p_final - q_full).clamp_min(0)

@@ -64,6 +64,7 @@ class StepChoice:
     use_ngram: list[bool]
     drafter_gain: float | None = None  # mean expected accepted drafts of the drafter's block
     drafter_used: int = 0  # the most drafter drafts any row verifies
+    confidence: torch.Tensor | None = None  # [b - a, d] the drafter's confidences, on the host (float32)
 
 
 @dataclass
@@ -74,6 +75,13 @@ class Drafts:
     token_probs: torch.Tensor  # [R, k] the proposer's probability of each draft (1 for a copy)
     counts: torch.Tensor  # [R] drafts verified
     from_ngram: torch.Tensor  # [R] bool: the drafts are the row's n-gram copy
+    choice: StepChoice  # the same counts and proposers on the host
+    # Which rows are greedy and which sample, known on the host: index lists there and the same
+    # indices on the device, so the acceptance test selects its rows without reading the device.
+    greedy_rows: list[int]
+    greedy_index: torch.Tensor  # [G] long
+    sampled_rows: list[int]
+    sampled_index: torch.Tensor  # [S] long
 
 
 @dataclass

@@ -133,7 +133,11 @@ class PagedKV:
         changed = [(slot, blocks) for slot, blocks in pairs if self.host_tables[slot] != blocks]
         if not changed:
             return
-        rows = np.full((len(changed), self.tables.shape[1]), self.trash, dtype=np.int64)
+        width = self.tables.shape[1]
+        for slot, blocks in changed:
+            if len(blocks) > width:  # a row past max_model_len: it fails alone (the caller's retry)
+                raise ValueError(f"slot {slot}: {len(blocks)} blocks exceed its table's {width} (the capacity)")
+        rows = np.full((len(changed), width), self.trash, dtype=np.int64)
         for j, (slot, blocks) in enumerate(changed):
             rows[j, : len(blocks)] = blocks
             self.host_tables[slot] = blocks

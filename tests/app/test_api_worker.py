@@ -100,7 +100,7 @@ def test_engine_failure_in_one_request_fails_it_alone(
         # Past the cache's end: with slots the target's attention over more keys than the cache
         # holds fails; paged, the row's block table outgrows its slot's (a shape error, in this row
         # alone either way).
-        messages = ("out of bounds", "must match the size", "must match the existing size")
+        messages = ("out of bounds", "must match the size", "exceed its table")
         assert any(m in (bad_events[-1].error or "") for m in messages)
         assert (text_of(good_events), good_events[-1].finish_reason) == (want_text, want_finish)
         assert worker.healthy and worker.in_flight == 0

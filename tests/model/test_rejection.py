@@ -3,6 +3,7 @@ speculative-sampling acceptance with the bonus token, and the drafter's distribu
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model.engine.proposers import Proposal
@@ -46,6 +47,19 @@ def _sampling(temperatures: list[float], uniforms: torch.Tensor) -> SamplingBatc
     )  # fmt: skip
 
 
+def _drafts(
+    tokens: list[list[int]], token_probs: torch.Tensor, counts: list[int], use_ngram: list[bool], temps: list[float]
+) -> Drafts:
+    """Drafts as `assemble_drafts` makes them: device tensors and the host's copy of the choice."""
+    greedy = [i for i, t in enumerate(temps) if t <= 0]
+    sampled = [i for i, t in enumerate(temps) if t > 0]
+    return Drafts(
+        torch.tensor(tokens), token_probs, torch.tensor(counts), torch.tensor(use_ngram),
+        StepChoice(counts, use_ngram), greedy, torch.tensor(greedy, dtype=torch.long),
+        sampled, torch.tensor(sampled, dtype=torch.long),
+    )  # fmt: skip
+
+
 def _scores(argmax: list[list[int]], margin: float = 20.0) -> torch.Tensor:
     """Scores [R, T, V] whose argmax (and, by the margin, nearly all probability) is `argmax`."""
     s = torch.zeros(len(argmax), len(argmax[0]), V)
@@ -77,10 +91,7 @@ def test_the_draw_layout_names_each_part_of_a_rows_uniforms() -> None:
 
 
 def test_greedy_rows_accept_while_the_draft_is_the_argmax_then_take_the_bonus() -> None:
-    drafts = Drafts(
-        torch.tensor([[1, 2, 3], [1, 9 % V, 3], [4, 4, 4]]), torch.ones(3, 3), torch.tensor([3, 3, 1]),
-        torch.zeros(3, dtype=torch.bool),
-    )  # fmt: skip
+    drafts = _drafts([[1, 2, 3], [1, 9 % V, 3], [4, 4, 4]], torch.ones(3, 3), [3, 3, 1], [False] * 3, [0.0] * 3)
     # Target argmax after [anchor, d1, d2, d3]: 1, 2, 3, then 7.
     scores = _scores([[1, 2, 3, 7], [1, 2, 3, 7], [4, 5, 5, 5]])
     sampling = _sampling([0.0, 0.0, 0.0], None)  # type: ignore[arg-type]
@@ -93,9 +104,9 @@ def test_sampling_rows_accept_what_the_target_would_draw_and_reject_what_it_neve
     """Temperature 1, target mass all but certain on token 2 at every position: a copy of 2s is
     accepted whatever the uniforms; a drafter draft of 5 (target probability ~e^-20) is rejected and
     the residual draw is 2. Mixed with a greedy row in the same call."""
-    drafts = Drafts(
-        torch.tensor([[2, 2], [5, 2], [2, 2]]), torch.tensor([[1.0, 1.0], [0.9, 0.5], [1.0, 1.0]]),
-        torch.tensor([2, 2, 2]), torch.tensor([True, False, False]),
+    drafts = _drafts(
+        [[2, 2], [5, 2], [2, 2]], torch.tensor([[1.0, 1.0], [0.9, 0.5], [1.0, 1.0]]), [2, 2, 2],
+        [True, False, False], [1.0, 1.0, 0.0],
     )  # fmt: skip
     scores = _scores([[2, 2, 2]] * 3)
     dist = torch.zeros(3, 2, V)
@@ -111,11 +122,22 @@ def test_sampling_rows_accept_what_the_target_would_draw_and_reject_what_it_neve
 def test_draft_dists_give_rows_the_drafter_did_not_draft_zeros() -> None:
     probs = torch.rand(2, 3, V)
     draft = _draft([[1, 1, 1], [2, 2, 2]], probs)
-    s = torch.tensor([0, 2, 3])  # sampling rows; the drafter drafted rows 1..2 (span 1..3)
-    full = draft_dists(draft, s, (1, 3), k=2)
+    idx = [0, 2, 3]  # sampling rows; the drafter drafted rows 1..2 (span 1..3)
+    s = torch.tensor(idx)
+    full = draft_dists(draft, idx, s, (1, 3), k=2)
     assert full is not None and full.shape == (3, 2, V)
     assert torch.equal(full[0], torch.zeros(2, V)) and torch.equal(full[2], torch.zeros(2, V))
     assert torch.equal(full[1], probs[1, :2])
-    inside = draft_dists(draft, torch.tensor([1, 2]), (1, 3), k=2)
+    inside = draft_dists(draft, [1, 2], torch.tensor([1, 2]), (1, 3), k=2)
     assert inside is not None and torch.equal(inside, probs[:, :2])
-    assert draft_dists(None, s, (1, 3), k=2) is None
+    assert draft_dists(None, idx, s, (1, 3), k=2) is None
+
+
+def test_sampling_rows_verifying_drafter_drafts_need_its_distributions() -> None:
+    """Decided on the host (no device read): a sampling row that verifies the drafter's drafts
+    without the drafter's distributions is an error, not a silently wrong residual."""
+    drafts = _drafts([[2, 2]], torch.ones(1, 2), [2], [False], [1.0])
+    u = torch.rand(1, 5, generator=torch.Generator().manual_seed(0))
+    step = _step(_sampling([1.0], u), u, 2, _draft([[2, 2]]), (0, 1), drafts=drafts)
+    with pytest.raises(ValueError, match="distributions"):
+        accept(_scores([[2, 2, 2]]), step, None)
