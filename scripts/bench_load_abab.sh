@@ -6,6 +6,7 @@
 # Any two settings: A_LABEL/B_LABEL name the servers, A_ENV/B_ENV are their DOMINO_* variables, e.g.
 #   A_LABEL=prefix B_LABEL=noprefix A_ENV="DOMINO_MODE=domino" \
 #   B_ENV="DOMINO_MODE=domino DOMINO_PREFIX_CACHE_TOKENS=0" bash scripts/bench_load_abab.sh
+# LOAD_ARGS adds bench.load options to both sides, e.g. LOAD_ARGS="--temperature 1" (sampled traffic).
 set -u
 cd "$(dirname "$0")/.."
 # Results: bench/results/load_{A,B}_N$TAG.*, load_A_vs_B_N$TAG.* per repetition N, and
@@ -18,6 +19,7 @@ A_LABEL=${A_LABEL:-domino}
 B_LABEL=${B_LABEL:-ar}
 A_ENV=${A_ENV:-DOMINO_MODE=domino}
 B_ENV=${B_ENV:-DOMINO_MODE=ar}
+LOAD_ARGS=${LOAD_ARGS:-}
 mkdir -p runs
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 compared=()
@@ -28,7 +30,8 @@ for rep in $(seq "$REPS"); do
     env $settings DOMINO_MAX_BATCH_SIZE=16 DOMINO_PORT=8101 DOMINO_HOST=127.0.0.1 .venv/bin/python -c "from app.main import main; main()" > runs/load-server-$label-$rep.log 2>&1 &
     pid=$!
     for i in $(seq 240); do curl -sf http://127.0.0.1:8101/health >/dev/null && break; sleep 1; done
-    .venv/bin/python -m bench.load --url http://127.0.0.1:8101 --concurrency "$LEVELS" --requests "$REQUESTS" --max-tokens 64 \
+    # shellcheck disable=SC2086  # LOAD_ARGS is a list of words
+    .venv/bin/python -m bench.load --url http://127.0.0.1:8101 --concurrency "$LEVELS" --requests "$REQUESTS" --max-tokens 64 $LOAD_ARGS \
       --label "$label" --json "bench/results/load_${label}_$rep$TAG.json" > "runs/load-$label-$rep.log" 2>&1
     kill -TERM $pid; wait $pid
   done

@@ -28,7 +28,7 @@ from model.engine.ngram import NgramIndex
 from model.engine.policy import DraftPolicy
 from model.engine.prefill import PrefillResult
 from model.engine.proposers import DraftProposer, NgramProposer
-from model.engine.rejection import accept, assemble_drafts
+from model.engine.rejection import accept, assemble_drafts, choice_arrays
 from model.engine.requests import RequestOutput, RequestStats, SamplingParams, StepTiming, check_prompt
 from model.engine.row import Row, cached_tokens, commit, seed_generator
 from model.engine.runner import ModelRunner, check_drafter
@@ -417,12 +417,14 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
-        """One speculative step for rows lo..hi-1: propose -> choose -> verify -> accept -> emit."""
+        """One speculative step for rows lo..hi-1: choose -> propose -> verify -> accept -> emit."""
         step = self._begin_step(lo, len(self.rows) if hi is None else hi)
         t0 = time.perf_counter()
-        self._propose(step)
-        t1 = time.perf_counter()
         self._choose(step)
+        chosen = step.load(self.device, choice_arrays(step))  # the step's one copy to the device
+        self._draft(step)
+        step.drafts = assemble_drafts(step, chosen)
+        t1 = time.perf_counter()
         out = self._verify(step)
         self._accept(step, out)
         self.policy.observe(step)
@@ -443,16 +445,22 @@ class Engine:
         seeded = any(row.params.seed is not None and not row.params.greedy for row in rows)
         plan = self.policy.plan([row.params.greedy for row in rows], seeded)
         ngram_width = self.ngram_max_drafts if self.ngram and not plan.probe else 0
-        return DecodeStep.begin(lo, hi, rows, plan, ngram_width, self.device)
+        return DecodeStep.begin(lo, hi, rows, plan, ngram_width)
 
-    def _propose(self, step: DecodeStep) -> None:
-        """Each row's n-gram copy, and the drafter's block for the rows the policy lets it draft."""
+    def _choose(self, step: DecodeStep) -> None:
+        """Each row's n-gram copy, the rows the drafter will draft, and how many drafts each row
+        verifies and whose: the policy's choice, from the host alone (model/engine/policy.py)."""
         step.copies = self.ngram_proposer.propose(step.rows, step.budgets, step.ngram_width)
         step.copy_accept = self.policy.copy_estimates(step.rows, step.copies, step.ngram_width)
         span = self.policy.drafter_rows(step) if self.proposer is not None else None
-        if span is None or self.proposer is None:
+        step.draft_span = span if span is not None else (0, 0)
+        step.choice = self.policy.choose(step)
+
+    def _draft(self, step: DecodeStep) -> None:
+        """The drafter's block for the rows the policy lets it draft (step.draft_span)."""
+        a, b = step.draft_span
+        if b == a or self.proposer is None:
             return
-        a, b = span
         t = time.perf_counter()
         lo, rows, anchors, sampling, d = step.lo, step.rows, step.anchors, step.sampling, step.drafter_slots
         if self.static is not None and lo == 0 and sampling.all_greedy:
@@ -461,14 +469,11 @@ class Engine:
         else:
             rows_ab = sampling.span(a, b)
             draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
-        step.draft, step.draft_span = draft, span
+        if draft.confidence is None:
+            raise ValueError("the drafter's proposal has no confidence per slot: the policy needs it")
+        step.draft = draft
         self.draft_forwards += 1
         self.policy.costs.observe_draft(b - a, time.perf_counter() - t)
-
-    def _choose(self, step: DecodeStep) -> None:
-        """How many drafts each row verifies and whose: the policy's choice, assembled into tensors."""
-        step.choice = self.policy.choose(step)
-        step.drafts = assemble_drafts(step, self.device)
 
     def _verify(self, step: DecodeStep) -> TargetOutput:
         """One target forward over [anchor, drafts] per row, timed for the policy's cost model."""
@@ -488,7 +493,8 @@ class Engine:
         assert step.drafts is not None
         scores = process_logits([row.processor for row in step.rows], out.logits, step.drafts.tokens)
         step.accepted, step.bonus = accepted, bonus = accept(scores, step, self.runner.draft_vocab_ids)
-        step.results = results = StepResults.read(accepted, bonus, step.drafts.tokens)
+        confidence = step.draft.confidence if step.draft is not None else None
+        step.results = results = StepResults.read(accepted, bonus, step.drafts.counts, step.drafts.tokens, confidence)
         results.logprobs = [
             token_logprobs(out.logits[i], results.new_tokens[i], row.params.logprobs)
             if row.params.logprobs is not None
@@ -503,7 +509,7 @@ class Engine:
         assert choice is not None and results is not None
         outputs, done = [], []
         for i, row in enumerate(step.rows):
-            accepted, drafted = results.accepted[i], choice.counts[i]
+            accepted, drafted = results.accepted[i], results.counts[i]
             proposer = None if drafted == 0 else ("ngram" if choice.use_ngram[i] else "drafter")
             output = commit(row, results.new_tokens[i], results.logprobs[i])
             row.anchor = results.bonus[i]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from model.engine.costs import (
@@ -45,6 +46,10 @@ PAUSE_MIN, PAUSE_MAX = 8, 64  # steps of plain decoding after drafting stopped p
 # Per decode step, the engine-wide record of n-gram acceptance ages by this factor (half-life
 # ~350 steps without copies), so a match length written off on old text is tried again.
 NGRAM_FADE = 0.998
+# The confidence per slot expected of a row the drafter has not drafted for yet: the start of the
+# policy's running average over rows, and a seeded row's forecast (which must not depend on others).
+UNSEEN_CONFIDENCE = 0.6
+RECENT_WEIGHT = 0.2  # weight of a step's rows in the running average of the drafter's confidence
 
 
 class DraftPolicy:
@@ -81,6 +86,8 @@ class DraftPolicy:
         self.pause_len = PAUSE_MIN  # doubles while probes keep finding that drafting does not pay
         self.draft_width = num_drafts  # slots drafted per step under the adaptive policy
         self.plain_probes: dict[int, int] = {}  # plain steps taken per batch size to measure them
+        # The drafter's confidence per slot, averaged over the rows it drafted lately (`forecast`).
+        self.recent_confidence = np.full(num_drafts, UNSEEN_CONFIDENCE, dtype=np.float32)
 
     def on_admit(self) -> None:
         """New requests joined: their text may suit the drafter better, so probe again soon."""
@@ -147,37 +154,48 @@ class DraftPolicy:
         return (min(want), max(want) + 1) if want else None
 
     def choose(self, step: DecodeStep) -> StepChoice:
-        """Drafts per row, from the step's copies and the drafter's block for rows step.draft_span
-        (its confidence [b - a, d]; none when the drafter did not run this step)."""
+        """Drafts per row, from the host alone: the step's copies and, for rows step.draft_span
+        that the drafter is about to draft, their drafter's confidences at their previous block
+        (`forecast`). Nothing of this step's device values is read, so the step's results are its
+        one device->host copy; the drafter's confidence moves slowly from block to block."""
         r = len(step.rows)
         a, b = step.draft_span
-        if step.draft is not None and step.draft.confidence is None:
-            raise ValueError("the drafter's proposal has no confidence per slot: the policy needs it")
-        confidence = step.draft.confidence[:, : step.drafter_slots] if step.draft is not None else None
-        conf = confidence.float().cpu() if confidence is not None else torch.zeros(0, 0)
+        d = step.drafter_slots if b > a else 0
+        conf = self.forecast(step.rows[a:b], d)
         copy_len = [step.copies.count(i) if step.copies is not None else 0 for i in range(r)]
-        in_span = [confidence is not None and a <= i < b for i in range(r)]
+        in_span = [a <= i < b and d > 0 for i in range(r)]
         if not self.adaptive:
-            choice = self._choose_fixed(conf, in_span, a, copy_len, step.budgets)
+            choice = self._choose_fixed(d, in_span, copy_len, step.budgets)
         else:
             choice = StepChoice([0] * r, [False] * r)
             self._choose_sampling_rows(choice, step, conf, in_span)
-            self._choose_greedy_rows(choice, step, conf, copy_len, confidence is not None)
-        if confidence is not None:
-            choice.confidence = conf
+            self._choose_greedy_rows(choice, step, conf, copy_len, d > 0)
+        if d > 0:
             choice.drafter_used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
         return choice
 
-    def _choose_fixed(
-        self, conf: torch.Tensor, in_span: list[bool], a: int, copy_len: list[int], budgets: list[int]
-    ) -> StepChoice:
-        """The drafter's block wherever it ran (up to the first doubtful slot), else the copy."""
+    def forecast(self, rows: Sequence[Row], d: int) -> torch.Tensor:
+        """[R, d] the confidences expected of the drafter's next block for `rows`: each row's own at
+        its last block (slots past it, and rows with none yet, from the recent average of all
+        rows; a seeded row's from a constant, so that it decides the same in any batch)."""
+        out = np.empty((len(rows), d), dtype=np.float32)
+        for i, row in enumerate(rows):
+            seeded = row.params.seed is not None and not row.params.greedy
+            out[i] = UNSEEN_CONFIDENCE if seeded else self.recent_confidence[:d]
+            own = row.draft_confidence
+            if own is not None:
+                n = min(d, own.shape[0])
+                out[i, :n] = own[:n]
+        return torch.from_numpy(out)
+
+    def _choose_fixed(self, d: int, in_span: list[bool], copy_len: list[int], budgets: list[int]) -> StepChoice:
+        """The drafter's block wherever it runs, cut on the device at the first draft below the
+        threshold (`StepChoice.threshold`), else the copy."""
         r = len(in_span)
-        choice = StepChoice([0] * r, [False] * r)
-        confident = (conf >= self.draft_threshold).long().cumprod(-1).sum(-1).tolist()
+        choice = StepChoice([0] * r, [False] * r, threshold=self.draft_threshold)
         for i in range(r):
             if in_span[i]:
-                choice.counts[i] = min(confident[i - a], budgets[i])
+                choice.counts[i] = min(d, budgets[i])
             elif copy_len[i]:
                 choice.counts[i], choice.use_ngram[i] = copy_len[i], True
         return choice
@@ -185,10 +203,10 @@ class DraftPolicy:
     def _choose_sampling_rows(
         self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, in_span: list[bool]
     ) -> None:
-        """A row-local, lossless rule. The count of each proposer is a stopping time of its own
-        draft sequence (`stopping_drafts`); which proposer is chosen depends only on what is known
-        before the first draft is drawn: the copy and its estimates, and the drafter's first-slot
-        confidence (later slots may depend on drawn drafts)."""
+        """A row-local, lossless rule: the count of each proposer comes from the row's forecast
+        (`stopping_drafts`), the choice between them from the copy's estimates and the forecast's
+        first slot, all known before this step draws a draft, so the count is a stopping time of
+        the draft sequence."""
         a = step.draft_span[0]
         for i, est in enumerate(step.copy_accept):
             if step.greedy_rows[i]:
@@ -273,20 +291,28 @@ class DraftPolicy:
                         self.ngram_acceptance.observe(match_len, verified, accepted)
 
     def _observe_drafter(self, step: DecodeStep) -> None:
-        """Calibrate the drafter on the greedy rows that verified its drafts."""
-        assert step.draft is not None and step.drafts is not None and step.choice is not None
-        assert step.accepted is not None
-        k = step.drafts.tokens.shape[1]
+        """Keep the drafter's confidences as its rows' forecasts, and calibrate them on the greedy
+        rows that verified its drafts (all on the host: read with the step's results)."""
+        assert step.draft is not None and step.choice is not None and step.results is not None
+        results = step.results
+        confidence = results.confidence
+        assert confidence is not None  # the engine checks every proposal for it (`Engine._draft`)
         a, b = step.draft_span
+        host = confidence.numpy()
+        for i in range(a, b):
+            step.rows[i].draft_confidence = host[i - a]
+        d = host.shape[1]
+        if d and b > a:
+            recent = self.recent_confidence[:d]
+            recent += RECENT_WEIGHT * (host.mean(0) - recent)
+        assert step.drafts is not None
+        k = step.drafts.tokens.shape[1]
         mine = [i for i in range(a, b) if step.greedy_rows[i] and not step.choice.use_ngram[i]]
         if k == 0 or not mine:
             return
-        # All on the host: the confidences `choose` read, the counts it chose, the step's results.
-        confidence, results = step.choice.confidence, step.results
-        assert confidence is not None and results is not None
         rows = torch.tensor([i - a for i in mine])
-        conf = confidence[rows, : min(k, confidence.shape[1])]
-        counts = torch.tensor([step.choice.counts[i] for i in mine])
+        conf = confidence[rows, : min(k, d)]
+        counts = torch.tensor([results.counts[i] for i in mine])
         self.calibration.observe(conf, counts, torch.tensor([results.accepted[i] for i in mine]))
 
     def _adapt_drafting(self, used: int, d: int, full: bool) -> None:

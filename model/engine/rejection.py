@@ -11,24 +11,15 @@ import torch
 from model.engine.proposers import Proposal
 from model.engine.sampling import processed_probs, verify_greedy, verify_sampling
 from model.engine.step import DecodeStep, Drafts
-from model.upload import upload
 
 
-def assemble_drafts(step: DecodeStep, device: torch.device) -> Drafts:
-    """The drafts each row verifies, from its chosen proposer: the drafter's block for rows
-    step.draft_span, else the row's n-gram copy."""
+def choice_arrays(step: DecodeStep) -> list[np.ndarray]:
+    """What the choice adds from the host, for the step's one copy (`DecodeStep.load`): the counts,
+    which rows copy, their copies [R, k] (k = 0 when none does) and the greedy and sampling rows'
+    indices."""
     choice = step.choice
     assert choice is not None
     r, k = len(choice.counts), max(choice.counts, default=0)
-    draft, (a, b) = step.draft, step.draft_span
-    tokens = torch.zeros(r, k, dtype=torch.long, device=device)
-    token_probs = torch.ones(r, k, device=device)
-    if draft is not None and k > 0:
-        kd = min(k, step.drafter_slots)
-        tokens[a:b, :kd] = draft.tokens[:, :kd]
-        if draft.token_probs is not None:
-            token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
-    # What the choice adds from the host (counts, which rows copy, their copies), in one copy.
     copying = k > 0 and any(choice.use_ngram)
     copied = np.zeros((r, k if copying else 0), dtype=np.int64)
     if copying:
@@ -37,22 +28,43 @@ def assemble_drafts(step: DecodeStep, device: torch.device) -> Drafts:
             n = choice.counts[i]
             if choice.use_ngram[i] and step.copies.count(i) and n:
                 copied[i, :n] = step.copies.tokens[i, :n].numpy()  # a host tensor (copies are made there)
+    return [
+        np.array(choice.counts, dtype=np.int64),
+        np.array(choice.use_ngram, dtype=np.bool_),
+        copied,
+        np.array([i for i in range(r) if step.greedy_rows[i]], dtype=np.int64),
+        np.array([i for i in range(r) if not step.greedy_rows[i]], dtype=np.int64),
+    ]
+
+
+def assemble_drafts(step: DecodeStep, chosen: list[torch.Tensor]) -> Drafts:
+    """The drafts each row verifies, from its chosen proposer: the drafter's block for rows
+    step.draft_span, else the row's n-gram copy. `chosen`: `choice_arrays(step)` on the device."""
+    choice = step.choice
+    assert choice is not None
+    counts, from_ngram, copied, greedy_index, sampled_index = chosen
+    r, k = len(choice.counts), max(choice.counts, default=0)
+    draft, (a, b) = step.draft, step.draft_span
+    device = counts.device
+    tokens = torch.zeros(r, k, dtype=torch.long, device=device)
+    token_probs = torch.ones(r, k, device=device)
+    if draft is not None and k > 0:
+        kd = min(k, step.drafter_slots)
+        tokens[a:b, :kd] = draft.tokens[:, :kd]
+        if draft.token_probs is not None:
+            token_probs[a:b, :kd] = draft.token_probs[:, :kd].float()
+    if choice.threshold is not None and draft is not None and draft.confidence is not None and k > 0:
+        # The fixed policy: each drafter row up to its first doubtful draft, cut here on the device
+        # (the counts come back with the step's results).
+        kd = min(k, step.drafter_slots)
+        confident = (draft.confidence[:, :kd] >= choice.threshold).long().cumprod(-1).sum(-1)
+        counts[a:b] = torch.minimum(counts[a:b], confident)
+    if copied.shape[1]:
+        mask = from_ngram[:, None]
+        tokens = torch.where(mask, copied, tokens)
+        token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
     greedy = [i for i in range(r) if step.greedy_rows[i]]
     sampled = [i for i in range(r) if not step.greedy_rows[i]]
-    counts, from_ngram, copied_on_device, greedy_index, sampled_index = upload(
-        [
-            np.array(choice.counts, dtype=np.int64),
-            np.array(choice.use_ngram, dtype=np.bool_),
-            copied,
-            np.array(greedy, dtype=np.int64),
-            np.array(sampled, dtype=np.int64),
-        ],
-        device,
-    )
-    if copying:
-        mask = from_ngram[:, None]
-        tokens = torch.where(mask, copied_on_device, tokens)
-        token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
     return Drafts(tokens, token_probs, counts, from_ngram, choice, greedy, greedy_index, sampled, sampled_index)
 
 

@@ -34,6 +34,9 @@ class Row:
     admitted: int = 0  # order of first admission (0: never admitted); the newest is preempted first
     shared_tokens: int = 0  # positions 0.. its admission found in shared prefix blocks
     prefilled: int = 0  # positions of cache_ids(row) in the caches so far (shared, then chunk by chunk)
+    # The drafter's confidence per slot at the row's last block (float32 [d]): the policy's
+    # forecast of its next block, read back with that step's results (model/engine/policy.py).
+    draft_confidence: np.ndarray | None = None
 
 
 def cache_ids(row: Row) -> list[int]:

@@ -1,12 +1,13 @@
 """One decode step as data: what the step works on, what each phase decided and what came of it.
 
-The engine's phases (model/engine/engine.py: propose -> choose -> verify -> accept -> emit) fill one
+The engine's phases (model/engine/engine.py: choose -> load -> draft -> verify -> accept -> emit) fill one
 `DecodeStep`; the policy plans from it and observes it afterwards, the rejection sampler reads its
 drafts and random draws. The layout of a row's random draws is named here, once (`DrawLayout`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,11 +61,13 @@ class StepChoice:
     """Drafts verified per row this step, and whether they are the row's n-gram copy (else the drafter's),
     with what the policy will learn from the choice once the step is done."""
 
-    counts: list[int]
+    counts: list[int]  # the most drafts each row verifies (exactly these unless `threshold` is set)
     use_ngram: list[bool]
     drafter_gain: float | None = None  # mean expected accepted drafts of the drafter's block
     drafter_used: int = 0  # the most drafter drafts any row verifies
-    confidence: torch.Tensor | None = None  # [b - a, d] the drafter's confidences, on the host (float32)
+    # The fixed policy: drafter rows verify their drafts up to the first whose confidence is below
+    # this, cut on the device (model/engine/rejection.py); the counts come back with the results.
+    threshold: float | None = None
 
 
 @dataclass
@@ -86,43 +89,71 @@ class Drafts:
 
 @dataclass
 class StepResults:
-    """A step's results on the host, per row."""
+    """A step's results on the host, per row: everything the engine and the policy learn from the
+    step, read in one device->host copy."""
 
     accepted: list[int]
     bonus: list[int]
+    counts: list[int]  # drafts verified
     new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    confidence: torch.Tensor | None = None  # [b - a, d] the drafter's confidences (float32), if it ran
 
     @classmethod
-    def read(cls, accepted: torch.Tensor, bonus: torch.Tensor, drafts: torch.Tensor) -> StepResults:
-        """The results on the host, in one device->host copy: accepted [R], bonus [R], drafts [R, k]."""
-        host = torch.cat([accepted[:, None], bonus[:, None], drafts], dim=1).tolist()
-        new_tokens = [h[2 : 2 + h[0]] + [h[1]] for h in host]
-        return cls(accepted=[h[0] for h in host], bonus=[h[1] for h in host], new_tokens=new_tokens)
+    def read(
+        cls,
+        accepted: torch.Tensor,
+        bonus: torch.Tensor,
+        counts: torch.Tensor,
+        drafts: torch.Tensor,
+        confidence: torch.Tensor | None,
+    ) -> StepResults:
+        """The results on the host in one copy: accepted, bonus, counts [R], drafts [R, k] and the
+        drafter's confidences [R', d] (rows 0..R'-1 of the span it drafted). Ids travel as float64,
+        exact below 2**53, so that one tensor holds them all."""
+        ints = torch.cat([accepted[:, None], bonus[:, None], counts[:, None], drafts], dim=1)
+        parts = [ints.double()]
+        if confidence is not None:
+            padded = confidence.new_zeros(ints.shape[0], confidence.shape[1], dtype=torch.float64)
+            padded[: confidence.shape[0]] = confidence
+            parts.append(padded)
+        host = torch.cat(parts, dim=1).cpu() if len(parts) > 1 else parts[0].cpu()
+        w = ints.shape[1]
+        rows = host[:, :w].long().tolist()
+        conf = host[: confidence.shape[0], w:].float() if confidence is not None else None
+        return cls(
+            accepted=[h[0] for h in rows],
+            bonus=[h[1] for h in rows],
+            counts=[h[2] for h in rows],
+            new_tokens=[h[3 : 3 + h[0]] + [h[1]] for h in rows],
+            confidence=conf,
+        )
 
 
 @dataclass
 class DecodeStep:
-    """Rows lo..hi-1 through one speculative step. The fields after `budgets` are filled phase by phase."""
+    """Rows lo..hi-1 through one speculative step. The fields after `budgets` are filled phase by
+    phase; the device side (anchors, sampling, uniforms) by `load`, once the choice is made."""
 
     lo: int
     hi: int
     rows: list[Row]
-    anchors: torch.Tensor  # [R] each row's last committed token
-    sampling: SamplingBatch  # the rows' parameters, with the drafter slots' uniforms
-    uniforms: torch.Tensor  # [R, draws.per_row]
     draws: DrawLayout
     plan: StepPlan
     ngram_width: int  # most tokens an n-gram copy may propose
     greedy_rows: list[bool]
     budgets: list[int]  # tokens each row may still emit after this step's bonus
-    # propose
+    # choose
     copies: Proposal | None = None  # each row's n-gram copy
     copy_accept: list[torch.Tensor | None] = field(default_factory=list)  # their estimated acceptance per slot
-    draft: Proposal | None = None  # the drafter's block for rows draft_span (None: it did not run)
-    draft_span: tuple[int, int] = (0, 0)
-    # choose
+    draft_span: tuple[int, int] = (0, 0)  # the rows the drafter drafts
     choice: StepChoice | None = None
+    # load
+    anchors: torch.Tensor = field(init=False)  # [R] each row's last committed token
+    sampling: SamplingBatch = field(init=False)  # the rows' parameters, with the drafter slots' uniforms
+    uniforms: torch.Tensor = field(init=False)  # [R, draws.per_row]
+    # draft
+    draft: Proposal | None = None  # the drafter's block for rows draft_span (None: it did not run)
     drafts: Drafts | None = None
     # accept
     accepted: torch.Tensor | None = None  # [R] accepted drafts
@@ -130,33 +161,31 @@ class DecodeStep:
     results: StepResults | None = None
 
     @classmethod
-    def begin(
-        cls, lo: int, hi: int, rows: list[Row], plan: StepPlan, ngram_width: int, device: torch.device
-    ) -> DecodeStep:
-        """Rows lo..hi-1 under `plan`, with their random draws for the step (`DrawLayout`)."""
-        draws = DrawLayout(max(plan.drafter_slots, ngram_width))
-        params = [row.params for row in rows]
-        # Everything the step needs from the host, in one copy.
-        anchors, uniforms, *device_params = upload(
-            [np.array([row.anchor for row in rows], dtype=np.int64), draw_uniforms(rows, draws.per_row)]
-            + host_params(params),
-            device,
-        )
+    def begin(cls, lo: int, hi: int, rows: list[Row], plan: StepPlan, ngram_width: int) -> DecodeStep:
+        """Rows lo..hi-1 under `plan`, on the host."""
         return cls(
             lo=lo,
             hi=hi,
             rows=rows,
-            anchors=anchors,
-            sampling=SamplingBatch.of_device_params(
-                params, device_params, draws.draft_slots(uniforms, plan.drafter_slots)
-            ),
-            uniforms=uniforms,
-            draws=draws,
+            draws=DrawLayout(max(plan.drafter_slots, ngram_width)),
             plan=plan,
             ngram_width=ngram_width,
-            greedy_rows=[p.greedy for p in params],
+            greedy_rows=[row.params.greedy for row in rows],
             budgets=[max(0, row.params.max_new_tokens - len(row.output_ids) - 1) for row in rows],
         )
+
+    def load(self, device: torch.device, chosen: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Everything the step needs from the host, in one copy (model/upload.py): the anchors, the
+        rows' random draws for the step (`DrawLayout`) and sampling parameters, and `chosen` (the
+        choice's arrays, `rejection.choice_arrays`), which come back on the device."""
+        params = [row.params for row in self.rows]
+        anchors = np.array([row.anchor for row in self.rows], dtype=np.int64)
+        uniforms = draw_uniforms(self.rows, self.draws.per_row)
+        on_device = upload([anchors, uniforms, *host_params(params), *chosen], device)
+        self.anchors, self.uniforms = on_device[0], on_device[1]
+        slots = self.draws.draft_slots(self.uniforms, self.plan.drafter_slots)
+        self.sampling = SamplingBatch.of_device_params(params, on_device[2:5], slots)
+        return on_device[5:]
 
     @property
     def drafter_slots(self) -> int:

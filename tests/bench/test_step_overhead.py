@@ -36,17 +36,17 @@ def test_short_run_reports_every_case(tmp_path: Path) -> None:
         assert r["cuda_syncs"] is None  # CUDA only
         # Issue 54: what a step needs from the host travels without blocking it (model/upload.py).
         assert r["h2d_copies"]["max"] == 0, r["h2d_copies"]["by_site"]
-        assert 1 <= min(r["h2d_async_copies"]["per_step"])
-        # Reads of the device: the step's results, and (domino) the policy's look at this step's
-        # draft confidences, nothing else (no shape syncs, no branch on a device value).
+        # One copy of the step's host data (anchors, draws, parameters, the choice: DecodeStep.load),
+        # plus one per cache (the target's, the drafter's) on steps where a row's block table grew.
+        caches = 1 if r["mode"] == "ar" else 2
+        assert all(1 <= n <= 1 + caches for n in r["h2d_async_copies"]["per_step"]), r["h2d_async_copies"]
+        # One read of the device per step: the step's results (with the drafter's confidences, which
+        # the policy uses at the next step), nothing else (no shape syncs, no branch on a device value).
         assert r["device_shape_syncs"]["max"] == 0, r["device_shape_syncs"]["by_site"]
-        # A site is "model/engine/step.py:99 read .tolist": the file and function, not the line.
+        # A site is "model/engine/step.py:99 read .cpu": the file and function, not the line.
         sites = {f"{s.split()[0].rsplit(':', 1)[0]} {s.split()[1]}" for s in r["device_reads"]["by_site"]}
-        allowed = {"model/engine/step.py read"} | ({"model/engine/policy.py choose"} if r["mode"] != "ar" else set())
-        assert sites <= allowed, r["device_reads"]["by_site"]
-        assert r["device_reads"]["max"] <= len(allowed)
-        # Every step reads its results back at least once; the CPU view counts host tensors too.
-        assert min(r["device_reads"]["per_step"]) >= 1
+        assert sites == {"model/engine/step.py read"}, r["device_reads"]["by_site"]
+        assert r["device_reads"]["per_step"] == [1, 1, 1], r["device_reads"]["by_site"]
         assert r["reads"]["total"] + r["device_reads"]["total"] > 0
         host, step = r["host_ms"], r["step_ms"]
         assert len(host["per_step"]) == len(step["per_step"]) == 3

@@ -181,6 +181,8 @@ def _policy_state(engine: Any) -> list[Any]:
     rows = [r for r in engine.rows if r.ngram_acceptance is not None]
     return [
         p.skip_steps, p.no_gain_streak, p.pause_len, p.draft_width, dict(p.plain_probes), p.drafter_gain,
+        p.recent_confidence.tolist(),
+        [None if r.draft_confidence is None else r.draft_confidence.tolist() for r in engine.rows],
         p.ngram_acceptance.reached.tolist(), p.ngram_acceptance.accepted.tolist(),
         p.calibration.reached.tolist(), p.calibration.accepted.tolist(), dict(p.costs.verify_s), dict(p.costs.draft_s),
         [(r.ngram_acceptance.reached.tolist(), r.ngram_acceptance.accepted.tolist()) for r in rows],

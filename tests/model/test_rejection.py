@@ -3,13 +3,15 @@ speculative-sampling acceptance with the bonus token, and the drafter's distribu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from model.engine.proposers import Proposal
-from model.engine.rejection import accept, assemble_drafts, draft_dists
+from model.engine.rejection import accept, assemble_drafts, choice_arrays, draft_dists
 from model.engine.sampling import SamplingBatch
 from model.engine.step import DecodeStep, Drafts, DrawLayout, StepChoice, StepPlan
+from model.upload import upload
 
 V = 8
 
@@ -30,10 +32,10 @@ def _step(
     """A step over len(temperatures) rows (no rows objects: the rejection sampler never reads them)."""
     r = sampling.temperature.shape[0]
     step = DecodeStep(
-        lo=0, hi=r, rows=[], anchors=torch.zeros(r, dtype=torch.long), sampling=sampling, uniforms=uniforms,
-        draws=DrawLayout(width), plan=StepPlan(False, width, True, False), ngram_width=width,
+        lo=0, hi=r, rows=[], draws=DrawLayout(width), plan=StepPlan(False, width, True, False), ngram_width=width,
         greedy_rows=(sampling.temperature <= 0).tolist(), budgets=[width] * r, draft=draft, draft_span=span,
     )  # fmt: skip
+    step.anchors, step.sampling, step.uniforms = torch.zeros(r, dtype=torch.long), sampling, uniforms
     for name, value in fields.items():
         setattr(step, name, value)
     return step
@@ -60,6 +62,11 @@ def _drafts(
     )  # fmt: skip
 
 
+def _on_device(arrays: list[np.ndarray]) -> list[torch.Tensor]:
+    """The choice's arrays as `DecodeStep.load` hands them back (on the CPU: the buffer's views)."""
+    return upload(arrays, torch.device("cpu"))
+
+
 def _scores(argmax: list[list[int]], margin: float = 20.0) -> torch.Tensor:
     """Scores [R, T, V] whose argmax (and, by the margin, nearly all probability) is `argmax`."""
     s = torch.zeros(len(argmax), len(argmax[0]), V)
@@ -75,10 +82,23 @@ def test_assemble_takes_each_rows_chosen_proposer() -> None:
     choice = StepChoice(counts=[3, 2, 1], use_ngram=[False, True, True])
     sampling = _sampling([0.0, 0.0, 0.0], None)  # type: ignore[arg-type]
     step = _step(sampling, torch.zeros(3, 7), 3, _draft([[1, 2, 3], [5, 5, 5]]), (0, 2), copies=copies, choice=choice)
-    d = assemble_drafts(step, device=torch.device("cpu"))
+    d = assemble_drafts(step, _on_device(choice_arrays(step)))
     assert d.tokens.tolist() == [[1, 2, 3], [4, 4, 0], [6, 0, 0]]
     assert d.token_probs.tolist() == [[0.5, 0.5, 0.5], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]  # a copy is one-hot
     assert d.counts.tolist() == [3, 2, 1] and d.from_ngram.tolist() == [False, True, True]
+
+
+def test_the_fixed_policy_cuts_drafter_rows_at_their_first_doubtful_draft_on_the_device() -> None:
+    # Rows 0..2 ran the drafter; the choice verifies up to 3 (row 2's budget: 1), cut at the first
+    # confidence below 0.5, without the host seeing the confidences.
+    confidence = torch.tensor([[0.9, 0.4, 0.9], [0.9, 0.8, 0.7], [0.1, 0.9, 0.9]])
+    draft = Proposal(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 1]]), torch.full((3, 3), 0.5), None, confidence)
+    choice = StepChoice(counts=[3, 3, 1], use_ngram=[False] * 3, threshold=0.5)
+    sampling = _sampling([0.0, 0.0, 0.0], None)  # type: ignore[arg-type]
+    step = _step(sampling, torch.zeros(3, 7), 3, draft, (0, 3), choice=choice)
+    d = assemble_drafts(step, _on_device(choice_arrays(step)))
+    assert d.counts.tolist() == [1, 3, 0]
+    assert d.tokens.tolist() == [[1, 2, 3], [4, 5, 6], [7, 0, 1]]  # past a count: verified, never counted
 
 
 def test_the_draw_layout_names_each_part_of_a_rows_uniforms() -> None:
