@@ -8,14 +8,17 @@ each step picks the draft count k that maximises expected committed tokens per s
     rate(k) = sum_r (1 + E_r(k)) / (t_draft(R) + t_verify(R, k + 1)),
     E_r(k)  = sum_{i<=k} prod_{j<=i} c_{r,j}   (c = the drafter's probability of its own draft j),
 
-and compares it with plain decoding, rate_ar = R / t_verify(R, 1). That look-ahead choice is only
-used for greedy rows, whose output does not depend on how many drafts are verified. Sampling rows
-use a row-local stopping rule (`stopping_drafts`) that is lossless and independent of the batch.
+and compares it with plain decoding, rate_ar = R / t_verify(R, 1) (when that is better, the
+drafter's drafts go unverified, and after a few such steps drafting pauses). The choice is made
+from the host before this step's drafts exist (the confidences of each row's previous block), so
+it is lossless for sampling rows too: greedy rows and sampling rows without a seed choose together,
+each kind with its own calibration of confidence against acceptance. A seeded sampling row uses a
+row-local stopping rule (`stopping_drafts`) on the prior curve instead, independent of the batch
+and of measured timings, so that its seed gives the same text in any batch.
 
 N-gram copies (model/engine/ngram.py) are a second, free proposal: `NgramAcceptance` learns their
 acceptance per match length and slot from verify steps, which gives their E_r(k) in the same
-formula; greedy rows take the better proposal at the chosen width, sampling rows choose from what
-is known before their first draft is drawn (`DraftPolicy.choose`).
+formula; rows take the better proposal at the chosen width (`DraftPolicy.choose`).
 
 The measured side (step costs, calibration, copy acceptance) is in model/engine/costs.py.
 """
@@ -76,7 +79,8 @@ class DraftPolicy:
         self.draft_threshold = draft_threshold
         self.prior = prior
         self.costs = StepCosts(prior=prior)
-        self.calibration = AcceptanceCalibration()
+        self.calibration = AcceptanceCalibration()  # greedy rows: is a draft the target's argmax?
+        self.sampling_calibration = AcceptanceCalibration()  # sampling rows: does the speculative test pass?
         # Observed acceptance of greedy rows' copies, by match length and slot (engine-wide).
         self.ngram_acceptance = NgramAcceptance(ngram_max_n, max(ngram_max_drafts, 1))
         self.ngram_prior = NGRAM_PRIOR  # acceptance assumed before any copy was verified
@@ -98,16 +102,16 @@ class DraftPolicy:
     def plan(self, greedy_rows: list[bool], any_seeded: bool) -> StepPlan:
         """What a step does before anything is proposed: a plain probe, or drafter slots to run."""
         full = any_seeded or not self.adaptive
-        probe = self._plain_probe(len(greedy_rows), greedy_rows)
+        probe = self._plain_probe(len(greedy_rows), any_seeded)
         slots = 0 if probe else (self.num_drafts if full or not self.adaptive else self.draft_width)
         return StepPlan(probe=probe, drafter_slots=slots, full=full, any_seeded=any_seeded)
 
-    def _plain_probe(self, batch: int, greedy_rows: list[bool]) -> bool:
+    def _plain_probe(self, batch: int, any_seeded: bool) -> bool:
         """Decode this step without drafts, to measure a plain step at this batch size. Every width
         is judged against it, and a cost never measured is a prior's guess that drafting may never
-        correct (it keeps drafting, so never measures the plain step). Greedy batches only: their
-        output does not depend on it."""
-        if not (self.adaptive and all(greedy_rows)):
+        correct (it keeps drafting, so never measures the plain step). Not under a seeded row, whose
+        draft counts must not depend on the batch."""
+        if not self.adaptive or any_seeded:
             return False
         if self.costs.verify_n.get((batch, 1), 0) >= TRUSTED_SAMPLES:
             return False
@@ -168,8 +172,9 @@ class DraftPolicy:
             choice = self._choose_fixed(d, in_span, copy_len, step.budgets)
         else:
             choice = StepChoice([0] * r, [False] * r)
-            self._choose_sampling_rows(choice, step, conf, in_span)
-            self._choose_greedy_rows(choice, step, conf, copy_len, d > 0)
+            seeded = [not p.greedy and p.seed is not None for p in (row.params for row in step.rows)]
+            self._choose_seeded_rows(choice, step, conf, in_span, seeded)
+            self._choose_batch_rows(choice, step, conf, copy_len, d > 0, seeded)
         if d > 0:
             choice.drafter_used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
         return choice
@@ -200,16 +205,15 @@ class DraftPolicy:
                 choice.counts[i], choice.use_ngram[i] = copy_len[i], True
         return choice
 
-    def _choose_sampling_rows(
-        self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, in_span: list[bool]
+    def _choose_seeded_rows(
+        self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, in_span: list[bool], seeded: list[bool]
     ) -> None:
-        """A row-local, lossless rule: the count of each proposer comes from the row's forecast
-        (`stopping_drafts`), the choice between them from the copy's estimates and the forecast's
-        first slot, all known before this step draws a draft, so the count is a stopping time of
-        the draft sequence."""
+        """Seeded sampling rows, by a row-local rule on the prior curve: the count of each proposer
+        comes from the row's forecast (`stopping_drafts`), the choice between them from the copy's
+        estimates and the forecast's first slot, nothing from the batch or measured timings."""
         a = step.draft_span[0]
         for i, est in enumerate(step.copy_accept):
-            if step.greedy_rows[i]:
+            if not seeded[i]:
                 continue
             n_count, rate_n = 0, 0.0
             if est is not None:
@@ -228,13 +232,20 @@ class DraftPolicy:
             elif n_count > 0:
                 choice.counts[i], choice.use_ngram[i] = n_count, True
 
-    def _choose_greedy_rows(
-        self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, copy_len: list[int], drafted: bool
+    def _choose_batch_rows(
+        self,
+        choice: StepChoice,
+        step: DecodeStep,
+        conf: torch.Tensor,
+        copy_len: list[int],
+        drafted: bool,
+        seeded: list[bool],
     ) -> None:
-        """Greedy rows never change their output with the drafts, so choose for the batch: the
-        shared width with the best expected token rate, each row taking the better proposer there."""
-        greedy_idx = [i for i, g in enumerate(step.greedy_rows) if g]
-        if not greedy_idx:
+        """Greedy rows and sampling rows without a seed choose for the batch: the shared width with
+        the best expected token rate, each row taking the better proposer there; the drafter's
+        drafts only where drafting beats plain decoding at the measured costs."""
+        idx = [i for i in range(len(step.rows)) if not seeded[i]]
+        if not idx:
             return
         r, d = len(step.rows), conf.shape[1]
         width = max([d, *copy_len])
@@ -242,7 +253,10 @@ class DraftPolicy:
         gain_d = torch.zeros(r, width + 1, dtype=torch.float64)
         a, b = step.draft_span
         if drafted:
-            calibrated = self.calibration.calibrate(conf).double()
+            greedy_span = torch.tensor(step.greedy_rows[a:b])[:, None]
+            calibrated = torch.where(
+                greedy_span, self.calibration.calibrate(conf), self.sampling_calibration.calibrate(conf)
+            ).double()
             gain_d[a:b] = capped_gain(expected_accepted(calibrated), width, budget_t[a:b])
             # What the drafter is expected to add per row at full width (`observe` keeps its average:
             # rows whose copy promises more skip the next drafter forward, `drafter_rows`).
@@ -251,14 +265,18 @@ class DraftPolicy:
         for i, est in enumerate(step.copy_accept):
             if est is not None:
                 gain_n[i] = capped_gain(expected_accepted(est[None].double()), width, torch.tensor([width]))[0]
-        best = torch.maximum(gain_d[greedy_idx], gain_n[greedy_idx])
         draft_cost = self.costs.draft(b - a) if drafted else 0.0
+        if drafted:
+            _k, rate_d = best_shared_width(gain_d[idx], self.costs, draft_cost)
+            if rate_d < len(idx) / self.costs.verify(len(idx), 1):
+                gain_d.zero_()  # plain decoding is faster: no drafter drafts (`observe` pauses it)
+        best = torch.maximum(gain_d[idx], gain_n[idx])
         shared, _rate = best_shared_width(best, self.costs, draft_cost)
-        # Sampling rows may widen the forward: greedy rows use the padded width for free.
+        # Seeded rows may widen the forward: the others use the padded width for free.
         k = max([shared, *choice.counts])
         if k == 0:
             return
-        for i in greedy_idx:
+        for i in idx:
             if gain_n[i, k] > gain_d[i, k]:
                 choice.counts[i], choice.use_ngram[i] = min(k, copy_len[i]), True
             elif gain_d[i, k] > 0:
@@ -291,8 +309,9 @@ class DraftPolicy:
                         self.ngram_acceptance.observe(match_len, verified, accepted)
 
     def _observe_drafter(self, step: DecodeStep) -> None:
-        """Keep the drafter's confidences as its rows' forecasts, and calibrate them on the greedy
-        rows that verified its drafts (all on the host: read with the step's results)."""
+        """Keep the drafter's confidences as its rows' forecasts, and calibrate them on the rows
+        that verified its drafts, greedy and sampling rows apart (all on the host: read with the
+        step's results)."""
         assert step.draft is not None and step.choice is not None and step.results is not None
         results = step.results
         confidence = results.confidence
@@ -307,13 +326,15 @@ class DraftPolicy:
             recent += RECENT_WEIGHT * (host.mean(0) - recent)
         assert step.drafts is not None
         k = step.drafts.tokens.shape[1]
-        mine = [i for i in range(a, b) if step.greedy_rows[i] and not step.choice.use_ngram[i]]
-        if k == 0 or not mine:
+        if k == 0:
             return
-        rows = torch.tensor([i - a for i in mine])
-        conf = confidence[rows, : min(k, d)]
-        counts = torch.tensor([results.counts[i] for i in mine])
-        self.calibration.observe(conf, counts, torch.tensor([results.accepted[i] for i in mine]))
+        for greedy, calibration in ((True, self.calibration), (False, self.sampling_calibration)):
+            mine = [i for i in range(a, b) if step.greedy_rows[i] == greedy and not step.choice.use_ngram[i]]
+            if mine:
+                rows = torch.tensor([i - a for i in mine])
+                counts = torch.tensor([results.counts[i] for i in mine])
+                accepted = torch.tensor([results.accepted[i] for i in mine])
+                calibration.observe(confidence[rows, : min(k, d)], counts, accepted)
 
     def _adapt_drafting(self, used: int, d: int, full: bool) -> None:
         """After a drafter forward that had `used` of its `d` slots verified (at most, over rows)."""

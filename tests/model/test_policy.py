@@ -185,6 +185,7 @@ def _policy_state(engine: Any) -> list[Any]:
         [None if r.draft_confidence is None else r.draft_confidence.tolist() for r in engine.rows],
         p.ngram_acceptance.reached.tolist(), p.ngram_acceptance.accepted.tolist(),
         p.calibration.reached.tolist(), p.calibration.accepted.tolist(), dict(p.costs.verify_s), dict(p.costs.draft_s),
+        p.sampling_calibration.reached.tolist(), p.sampling_calibration.accepted.tolist(),
         [(r.ngram_acceptance.reached.tolist(), r.ngram_acceptance.accepted.tolist()) for r in rows],
     ]  # fmt: skip
 
@@ -232,3 +233,35 @@ def test_the_policys_queries_change_nothing_and_observe_learns() -> None:
     assert results[0][0] == refs[0] and results[2][0] == refs[2]  # greedy rows stay exact
     assert calls["plan"] == calls["copy_estimates"] >= 30 and calls["choose"] == calls["plan"]
     assert learned >= calls["plan"] // 2
+
+
+class LinearCosts(PriorCosts):
+    """A verify over T tokens per row costs T plain steps and a drafter block half of one: no draft
+    can pay for itself."""
+
+    def verify(self, batch: int, tokens: int) -> float:
+        return float(tokens)
+
+    def draft(self, batch: int) -> float:
+        return 0.5
+
+
+def test_sampling_rows_without_a_seed_pause_drafting_that_does_not_pay() -> None:
+    """The policy decides before a step's drafts exist, so sampling rows without a seed choose with
+    the batch by measured costs, like greedy rows (lossless either way): where plain decoding is
+    faster they verify no drafts and drafting pauses. A seeded row keeps its row-local rule on the
+    prior curve, whatever the costs, so its seed gives the same text in any batch."""
+    model = tiny_target()
+    prompts = _prompts(2)
+    free = _engine(model, "domino", 2, draft_policy="adaptive", ngram=False)
+    free.policy.costs = LinearCosts()
+    results = free.generate(prompts, SamplingParams(max_new_tokens=40, temperature=1.0))
+    steps = max(s.verify_steps for _, s, _ in results)
+    assert steps >= 30 and sum(s.draft_tokens for _, s, _ in results) == 0
+    assert free.draft_forwards <= steps // 3, (free.draft_forwards, steps)
+
+    seeded = _engine(model, "domino", 2, draft_policy="adaptive", ngram=False)
+    seeded.policy.costs = LinearCosts()
+    results = seeded.generate(prompts, SamplingParams(max_new_tokens=40, temperature=1.0, seed=5))
+    assert seeded.draft_forwards == max(s.verify_steps for _, s, _ in results)
+    assert sum(s.draft_tokens for _, s, _ in results) > 0

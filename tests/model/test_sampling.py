@@ -12,6 +12,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
+from model.engine.costs import StepCosts
 from model.engine.engine import Engine, SamplingParams
 from model.engine.proposers import Proposal
 from model.engine.sampling import processed_probs, sample_with_uniform, verify_sampling
@@ -196,6 +197,24 @@ class ScheduledConfidence(Engine):
 LOW_UNTIL = 40  # decode steps with hopeless confidence (drafting pauses), then one good slot per block
 
 
+class OneDraftPays(StepCosts):
+    """Step costs under which a likely draft pays and an unlikely one does not: each token a row
+    verifies past the first adds a tenth of a plain step, drafting is free (a tiny target's real
+    costs make the tiny drafter as dear as the verify, so no draft would pay)."""
+
+    def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        pass
+
+    def verify(self, batch: int, tokens: int) -> float:
+        return 1.0 + 0.1 * (tokens - 1)
+
+    def draft(self, batch: int) -> float:
+        return 0.0
+
+
 def _scheduled(step: int, slots: int) -> torch.Tensor:
     if step <= LOW_UNTIL:
         return torch.full((slots,), 0.01)  # no draft pays: the policy stops drafting, then pauses
@@ -216,6 +235,7 @@ def test_adaptive_pause_and_narrowing_on_unseeded_sampling_rows() -> None:
         TargetModel(model), drafter, mode="domino", max_batch_size=128, max_model_len=16, schedule=_scheduled, **extra
     )
     engine._seed_source.manual_seed(0)  # unseeded rows draw their seeds here: a reproducible test
+    engine.policy.costs = OneDraftPays()
     prompt = [1, 2, 3]
     results = engine.generate([prompt] * n, SamplingParams(max_new_tokens=5, temperature=1.0))
 
