@@ -15,6 +15,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 
 # Prompt tokens forwarded per step: powers of 4 to the longest contexts served, 2x apart at the
 # budgets a chunked-prefill setting is likely to use (DOMINO_MAX_NUM_BATCHED_TOKENS).
 PREFILL_TOKEN_BUCKETS = (1.0, 4.0, 16.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 65536.0)
+DRAFTS_PER_STEP_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -122,6 +123,12 @@ class Metrics:
             "DOMINO_MAX_NUM_BATCHED_TOKENS at most the budget (a prompt scored for its logprobs goes whole).",
             PREFILL_TOKEN_BUCKETS,
         )
+        drafts_per_step = histogram(
+            "domino_spec_decode_drafts_per_step",
+            "Drafts per request in a decode step's verify forward (its width - 1): what the draft policy chose; "
+            "0 while it decodes plainly (drafting paused, or a plain probe).",
+            DRAFTS_PER_STEP_BUCKETS,
+        )
         self.acceptance_length = acceptance_length.labels(m)
         self.time_to_first_token = ttft.labels(m)
         self.inter_token_latency = itl.labels(m)
@@ -131,6 +138,7 @@ class Metrics:
         self.draft_seconds = draft_seconds.labels(m)
         self.verify_seconds = verify_seconds.labels(m)
         self.prefill_tokens_per_step = prefill_tokens.labels(m)
+        self.drafts_per_step = drafts_per_step.labels(m)
 
     def accepted_position(self, position: int) -> Counter:
         while position >= len(self.accepted_per_position):  # a drafter proposing more than announced

@@ -48,6 +48,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         cuda_graphs=settings.cuda_graphs,
         prefix_cache_tokens=settings.prefix_cache_tokens,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        probe_costs=settings.probe_costs,
         kv_cache_memory=parse_memory(settings.kv_cache_memory) if settings.kv_cache_memory is not None else None,
         kv_block_size=settings.kv_block_size,
     )
@@ -88,6 +89,8 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         engine.max_model_len,
     )
     log.info("%s", engine.runner.kv_summary())
+    if engine.cost_probe is not None:
+        log.info("%s", engine.cost_probe.summary())
     return engine, tokenizer
 
 

@@ -138,6 +138,12 @@ class Settings(BaseSettings):
         "their full KV blocks: 0 off, any other value on; the kept blocks are the free part of "
         "DOMINO_KV_CACHE_MEMORY",
     )
+    probe_costs: bool = Field(
+        True,
+        description="time verify forwards (batch 1 and the largest, every verify width) and drafter blocks at "
+        "start-up, so that the adaptive draft policy decides by this device's step costs from the first request "
+        "(about 1-5 s on a CPU); off: a prior curve until steps are measured while serving",
+    )
     max_n: int = Field(16, ge=1, description="largest accepted `n` (choices per prompt)")
     max_stop: int = Field(16, ge=0, description="most stop strings / stop token ids per request")
 

@@ -309,6 +309,7 @@ class EngineWorker:
         # A step that only dropped aborted rows leaves the previous timing in place: skip it.
         if timing is not None and timing is not previous and timing.kind == "decode":
             m.batch_size.observe(timing.batch_size)
+            m.drafts_per_step.observe(timing.num_drafts)
             if timing.num_drafts > 0:  # steps that drafted (the adaptive policy may pause drafting)
                 m.draft_seconds.observe(timing.draft_seconds)
             m.verify_seconds.observe(timing.verify_seconds)

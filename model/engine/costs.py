@@ -52,6 +52,24 @@ def prior_verify(tokens: int, curve: VerifyCurve = PRIOR_VERIFY_CURVE) -> float:
     return curve[hi] + slope * (tokens - hi)
 
 
+def measured_curve(cells: dict[tuple[int, int], float]) -> VerifyCurve | None:
+    """A verify-cost curve by tokens per forward (batch x T) through measured cells, relative to the
+    one-token forward: the cheapest cell at each token count, never cheaper than a smaller count
+    (a forward over more tokens does not cost less). None without the one-token forward and
+    another point to scale against."""
+    by_tokens: dict[int, float] = {}
+    for (batch, tokens), seconds in cells.items():
+        n = batch * tokens
+        by_tokens[n] = min(seconds, by_tokens.get(n, seconds))
+    if 1 not in by_tokens or len(by_tokens) < 2 or by_tokens[1] <= 0:
+        return None
+    curve, top = {}, 0.0
+    for n in sorted(by_tokens):
+        top = max(top, by_tokens[n] / by_tokens[1])
+        curve[n] = top
+    return curve
+
+
 TRUSTED_SAMPLES = 3  # measurements of a (batch, T) cell before it is believed over the prior's shape
 
 
@@ -86,6 +104,19 @@ class StepCosts:
 
     def observe_draft(self, batch: int, seconds: float) -> None:
         self._observe(self.draft_s, self.draft_n, self._recent_draft, batch, seconds)
+
+    def seed(self, verify: dict[tuple[int, int], list[float]], draft: dict[int, list[float]]) -> None:
+        """Cells measured before serving (model/engine/cost_probe.py): each sample observed, and the
+        curve through them by tokens per forward replaces the prior for the cells in between."""
+        for (batch, tokens), samples in verify.items():
+            for seconds in samples:
+                self.observe_verify(batch, tokens, seconds)
+        for batch, samples in draft.items():
+            for seconds in samples:
+                self.observe_draft(batch, seconds)
+        curve = measured_curve(self.verify_s)
+        if curve is not None:
+            self.prior = curve
 
     def verify(self, batch: int, tokens: int) -> float:
         """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.

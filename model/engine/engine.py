@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from model.engine.config import EngineConfig
-from model.engine.costs import NgramAcceptance, prior_curve_for
+from model.engine.cost_probe import CostProbe
+from model.engine.costs import TRUSTED_SAMPLES, NgramAcceptance, prior_curve_for
 from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
 from model.engine.ngram import NgramIndex
@@ -33,6 +34,7 @@ from model.engine.requests import RequestOutput, RequestStats, SamplingParams, S
 from model.engine.row import Row, cached_tokens, commit, seed_generator
 from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
+from model.engine.static import verify_widths
 from model.engine.step import DecodeStep, StepResults
 from model.kv.blocks import BlockPool
 from model.nn.attention import KV_READS
@@ -97,6 +99,12 @@ class Engine:
             ngram_max_drafts=self.ngram_max_drafts,
             prior=prior_curve_for(target.device, target.dtype),
         )
+        # This device's step costs, measured before any row is admitted (model/engine/cost_probe.py).
+        self.cost_probe: CostProbe | None = None
+        if cfg.probe_costs and mode != "ar":
+            batches = sorted({1, cfg.max_batch_size})
+            self.cost_probe = self.runner.probe_costs(batches, verify_widths(self.max_drafts_per_step), TRUSTED_SAMPLES)
+            self.policy.costs.seed(self.cost_probe.verify, self.cost_probe.draft)
         self.rows: list[Row] = []  # decoding row i lives in cache slot i
         # Chunked prefill (EngineConfig.max_num_batched_tokens): admitted rows whose prompt is not
         # all in the caches yet, oldest first, in the slots after the decoding rows'.

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 import torch
 
 from model.engine.config import EngineConfig
+from model.engine.cost_probe import PROBE_CONTEXT, CostProbe, probe_step_costs
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer
 from model.engine.row import Row
+from model.engine.sampling import SamplingBatch
 from model.engine.static import StaticSteps, batch_buckets, span_buckets, verify_widths
 from model.kv.blocks import BlockPool, BlockTables, kv_budget, kv_bytes_per_token
 from model.kv.sizes import format_bytes
@@ -176,6 +178,34 @@ class ModelRunner:
                 self.draft_cache.set_lengths(lo, draft_lengths)
                 raise
         self.cache.advance(lo, accepted + 1, counts)
+
+    def probe_costs(self, batches: list[int], widths: list[int], reps: int) -> CostProbe:
+        """Verify forwards at every batch in `batches` and width in `widths`, and a full drafter
+        block per batch, timed over the empty slots 0.. (model/engine/cost_probe.py). Before any
+        row is admitted: every slot's table points at the trash block."""
+        proposer = self.drafter_proposer
+
+        def draft(anchors: torch.Tensor) -> object:
+            assert proposer is not None
+            greedy = SamplingBatch.all_greedy_rows(anchors.shape[0], self.device)
+            return proposer.propose(0, [], anchors, greedy, proposer.num_drafts)
+
+        def set_context(rows: int, positions: int) -> None:
+            for cache in (self.cache, self.draft_cache):
+                if cache is not None:
+                    cache.set_lengths(0, [positions] * rows)
+
+        return probe_step_costs(
+            lambda tokens: self.verify(0, tokens),
+            draft if proposer is not None else None,
+            set_context,
+            batches,
+            widths,
+            self.device,
+            reps,
+            self.target.vocab_size,
+            min(PROBE_CONTEXT, self.cache.capacity - self.lookahead),  # room for any step after it
+        )
 
     def kv_summary(self) -> str:
         """The start-up line's account of KV memory."""

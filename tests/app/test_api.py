@@ -640,6 +640,11 @@ def test_metrics_counters_move_by_the_expected_amounts(server: ServerProcess, cl
     assert delta("domino_inter_token_latency_seconds_count") == tokens_after_first
     assert delta("domino_batch_size_count") >= 1 and delta("domino_verify_step_seconds_count") >= 1
     assert delta("domino_draft_step_seconds_count") >= 1
+    # One request at a time: each decode step's verify width - 1 is that request's drafts.
+    assert delta("domino_spec_decode_drafts_per_step_count") == drafts
+    assert delta("domino_spec_decode_drafts_per_step_sum") == sum(s["num_draft_tokens"] for s in spec)
+    # The policy started from this machine's step costs, measured before serving (DOMINO_PROBE_COSTS).
+    assert re.search(r"step costs measured in [\d.]+ s \(ms; verify batch x T: 1x1 ", server.log_path.read_text())
     # Every family carries model_name and the documented names exist.
     names = {n for n, _ in after}
     for required in (

@@ -235,6 +235,64 @@ def test_the_policys_queries_change_nothing_and_observe_learns() -> None:
     assert learned >= calls["plan"] // 2
 
 
+def test_costs_measured_at_start_up_replace_the_prior_between_the_cells() -> None:
+    """A GPU reads the weights once per forward and pays little per token. Probed at batch 1 and 16
+    (what the engine does at start-up), the cells in between follow the measured curve, where the
+    prior extrapolated linearly past 33 tokens per forward and made wide verifies look ~10x dearer
+    at batch 16: the policy then verifies more drafts there."""
+    from model.engine.costs import BANDWIDTH_BOUND_VERIFY_CURVE
+
+    def gpu(batch: int, tokens: int) -> float:
+        return 0.005 + 1e-5 * batch * tokens
+
+    widths = [1, 2, 3, 5, 9, 17]
+    seeded = StepCosts(prior=BANDWIDTH_BOUND_VERIFY_CURVE)
+    seeded.seed({(b, t): [gpu(b, t)] * 3 for b in (1, 16) for t in widths}, {1: [0.001] * 3, 16: [0.002] * 3})
+    for b, t in [(8, 5), (4, 17), (12, 9), (16, 4)]:
+        assert abs(seeded.verify(b, t) / gpu(b, t) - 1) < 0.05, (b, t, seeded.verify(b, t), gpu(b, t))
+    # Measured at batch 1 only (steps seen before a batch of 16 ran): the prior's extrapolation.
+    prior_only = StepCosts(prior=BANDWIDTH_BOUND_VERIFY_CURVE)
+    for t in widths:
+        for _ in range(3):
+            prior_only.observe_verify(1, t, gpu(1, t))
+    assert prior_only.verify(16, 17) > 5 * gpu(16, 17)
+    confidence, budget = torch.full((16, 16), 0.8), torch.full((16,), 100)
+    wide, _ = best_shared_drafts(confidence, budget, seeded)
+    narrow, _ = best_shared_drafts(confidence, budget, prior_only)
+    assert wide > narrow + 2, (wide, narrow)
+
+
+def test_engine_probes_its_step_costs_before_serving() -> None:
+    """With probe_costs the engine times verify forwards at batch 1 and its largest batch over every
+    verify width, and a drafter block per batch, before any request: the policy starts from those
+    cells (no plain probes needed there), the caches are left empty and output is unchanged."""
+    from model.engine.costs import TRUSTED_SAMPLES
+    from model.engine.static import verify_widths
+
+    model = tiny_target()
+    prompts = _prompts(3)
+    refs = [_hf_greedy(model, p, 12) for p in prompts]
+    engine = _engine(model, "domino", 3, draft_policy="adaptive", probe_costs=True)
+    probe = engine.cost_probe
+    assert probe is not None and probe.seconds > 0
+    widths = verify_widths(engine.max_drafts_per_step)
+    assert set(probe.verify) == {(b, t) for b in (1, 3) for t in widths} and set(probe.draft) == {1, 3}
+    assert all(len(s) == TRUSTED_SAMPLES and min(s) > 0 for s in [*probe.verify.values(), *probe.draft.values()])
+    assert engine.policy.costs.verify_n[(3, 1)] == TRUSTED_SAMPLES and engine.policy.costs.draft_n[3] == TRUSTED_SAMPLES
+    assert "step costs measured" in probe.summary()
+    for cache in (engine.cache, engine.draft_cache):
+        assert cache is not None and cache.host_lengths == [0] * len(cache.host_lengths)
+        assert cache.lengths.tolist() == [0] * len(cache.host_lengths)
+        # Every block a row can own is as allocated (zeros): the probe wrote only into the trash block.
+        assert all(float(kv[: cache.trash].abs().sum()) == 0 for kv in [*cache.keys, *cache.values])
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [t for t, _, _ in results] == refs
+    assert 3 not in engine.policy.plain_probes  # the batch-3 plain step was measured at start-up
+    # Off (the engines tests and benchmarks build by default) and in `ar` mode, nothing is probed.
+    assert _engine(model, "domino", 3).cost_probe is None
+    assert _engine(model, "ar", 3, probe_costs=True).cost_probe is None
+
+
 class LinearCosts(PriorCosts):
     """A verify over T tokens per row costs T plain steps and a drafter block half of one: no draft
     can pay for itself."""
