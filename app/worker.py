@@ -310,7 +310,7 @@ class EngineWorker:
         if timing is not None and timing is not previous and timing.kind == "decode":
             m.batch_size.observe(timing.batch_size)
             m.drafts_per_step.observe(timing.num_drafts)
-            if timing.num_drafts > 0:  # steps that drafted (the adaptive policy may pause drafting)
+            if timing.draft_seconds > 0:  # steps that ran the drafter (the adaptive policy may pause it)
                 m.draft_seconds.observe(timing.draft_seconds)
             m.verify_seconds.observe(timing.verify_seconds)
         if self.engine.last_prefill_tokens > 0:

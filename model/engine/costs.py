@@ -52,24 +52,6 @@ def prior_verify(tokens: int, curve: VerifyCurve = PRIOR_VERIFY_CURVE) -> float:
     return curve[hi] + slope * (tokens - hi)
 
 
-def measured_curve(cells: dict[tuple[int, int], float]) -> VerifyCurve | None:
-    """A verify-cost curve by tokens per forward (batch x T) through measured cells, relative to the
-    one-token forward: the cheapest cell at each token count, never cheaper than a smaller count
-    (a forward over more tokens does not cost less). None without the one-token forward and
-    another point to scale against."""
-    by_tokens: dict[int, float] = {}
-    for (batch, tokens), seconds in cells.items():
-        n = batch * tokens
-        by_tokens[n] = min(seconds, by_tokens.get(n, seconds))
-    if 1 not in by_tokens or len(by_tokens) < 2 or by_tokens[1] <= 0:
-        return None
-    curve, top = {}, 0.0
-    for n in sorted(by_tokens):
-        top = max(top, by_tokens[n] / by_tokens[1])
-        curve[n] = top
-    return curve
-
-
 TRUSTED_SAMPLES = 3  # measurements of a (batch, T) cell before it is believed over the prior's shape
 
 
@@ -106,17 +88,14 @@ class StepCosts:
         self._observe(self.draft_s, self.draft_n, self._recent_draft, batch, seconds)
 
     def seed(self, verify: dict[tuple[int, int], list[float]], draft: dict[int, list[float]]) -> None:
-        """Cells measured before serving (model/engine/cost_probe.py): each sample observed, and the
-        curve through them by tokens per forward replaces the prior for the cells in between."""
+        """Cells measured before serving (model/engine/cost_probe.py): batch 1 and the largest batch
+        at every verify width, so that every cell in between is interpolated (`_verify_estimate`)."""
         for (batch, tokens), samples in verify.items():
             for seconds in samples:
                 self.observe_verify(batch, tokens, seconds)
         for batch, samples in draft.items():
             for seconds in samples:
                 self.observe_draft(batch, seconds)
-        curve = measured_curve(self.verify_s)
-        if curve is not None:
-            self.prior = curve
 
     def verify(self, batch: int, tokens: int) -> float:
         """Seconds for a verify forward; unmeasured cells scale a measured one by the prior curve.
@@ -139,6 +118,9 @@ class StepCosts:
     def _verify_estimate(self, batch: int, tokens: int) -> float:
         if (batch, tokens) in self.verify_s:
             return self.verify_s[(batch, tokens)]
+        between = self._interpolated(batch, tokens)
+        if between is not None:
+            return between
         same_batch = [(t, s) for (b, t), s in self.verify_s.items() if b == batch]
         if same_batch:
             t, s = min(same_batch, key=lambda ts: abs(ts[0] - tokens))
@@ -148,6 +130,36 @@ class StepCosts:
             (b, t), s = min(self.verify_s.items(), key=lambda kv: abs(kv[0][0] - batch))
             return s * prior_verify(batch * tokens, self.prior) / prior_verify(b * t, self.prior)
         return prior_verify(batch * tokens, self.prior)
+
+    def _interpolated(self, batch: int, tokens: int) -> float | None:
+        """Linear between measured cells around (batch, tokens): in the batch at a measured T, then in
+        T between two such. A forward's cost grows about linearly in both (the weights read once,
+        then per row and per token), where one curve by batch x T alone put a batch of 8 over
+        3 tokens each at the cost of 24 tokens in one row (~1.25x too dear on a CPU). None unless
+        measured cells surround the cell."""
+
+        def at_width(t: int) -> float | None:
+            measured = sorted(b for b, tt in self.verify_s if tt == t)
+            below = [b for b in measured if b <= batch]
+            above = [b for b in measured if b >= batch]
+            if not below or not above:
+                return None
+            lo, hi = below[-1], above[0]
+            if lo == hi:
+                return self.verify_s[(lo, t)]
+            w = (batch - lo) / (hi - lo)
+            return self.verify_s[(lo, t)] * (1 - w) + self.verify_s[(hi, t)] * w
+
+        here = at_width(tokens)
+        if here is not None:
+            return here
+        widths = sorted({t for _, t in self.verify_s})
+        below = [(t, c) for t in widths if t < tokens and (c := at_width(t)) is not None]
+        above = [(t, c) for t in widths if t > tokens and (c := at_width(t)) is not None]
+        if not below or not above:
+            return None
+        (t0, c0), (t1, c1) = below[-1], above[0]
+        return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
 
     def _prior_ratio(self, batch: int, tokens: int, measured: int) -> float:
         """Prior cost of T = tokens over T = measured at one batch size (by tokens per forward)."""

@@ -36,6 +36,7 @@ from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
 from model.engine.static import verify_widths
 from model.engine.step import DecodeStep, StepResults
+from model.engine.timing import PhaseTimer
 from model.kv.blocks import BlockPool
 from model.nn.attention import KV_READS
 from model.nn.drafter import Drafter
@@ -425,21 +426,25 @@ class Engine:
 
     @torch.inference_mode()
     def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
-        """One speculative step for rows lo..hi-1: choose -> propose -> verify -> accept -> emit."""
+        """One speculative step for rows lo..hi-1: choose -> draft -> verify -> accept -> emit."""
         step = self._begin_step(lo, len(self.rows) if hi is None else hi)
-        t0 = time.perf_counter()
+        timer = PhaseTimer(self.device)
         self._choose(step)
         chosen = step.load(self.device, choice_arrays(step))  # the step's one copy to the device
-        self._draft(step)
+        self._draft(step, timer)
         step.drafts = assemble_drafts(step, chosen)
-        t1 = time.perf_counter()
-        out = self._verify(step)
+        out = self._verify(step, timer)
         self._accept(step, out)
+        # The results are on the host: the phases' marks are complete (model/engine/timing.py).
+        r, k = step.drafts.tokens.shape
+        draft_s = timer.seconds("draft") if step.draft is not None else 0.0
+        verify_s = timer.seconds("verify")
+        if step.draft is not None:
+            a, b = step.draft_span
+            self.policy.costs.observe_draft(b - a, draft_s)
+        self.policy.costs.observe_verify(r, k + 1, verify_s)
         self.policy.observe(step)
-        assert step.drafts is not None
-        self.last_timing = StepTiming(
-            "decode", len(step.rows), t1 - t0, time.perf_counter() - t1, step.drafts.tokens.shape[1]
-        )
+        self.last_timing = StepTiming("decode", r, draft_s, verify_s, k)
         outputs, done = self._emit(step, out)
         if finalize:
             self._remove_rows(done)
@@ -464,36 +469,31 @@ class Engine:
         step.draft_span = span if span is not None else (0, 0)
         step.choice = self.policy.choose(step)
 
-    def _draft(self, step: DecodeStep) -> None:
-        """The drafter's block for the rows the policy lets it draft (step.draft_span)."""
+    def _draft(self, step: DecodeStep, timer: PhaseTimer) -> None:
+        """The drafter's block for the rows the policy lets it draft (step.draft_span), timed as
+        the phase "draft"."""
         a, b = step.draft_span
         if b == a or self.proposer is None:
             return
-        t = time.perf_counter()
         lo, rows, anchors, sampling, d = step.lo, step.rows, step.anchors, step.sampling, step.drafter_slots
-        if self.static is not None and lo == 0 and sampling.all_greedy:
-            # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
-            draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
-        else:
-            rows_ab = sampling.span(a, b)
-            draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
+        with timer.phase("draft"):
+            if self.static is not None and lo == 0 and sampling.all_greedy:
+                # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
+                draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
+            else:
+                rows_ab = sampling.span(a, b)
+                draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)
         if draft.confidence is None:
             raise ValueError("the drafter's proposal has no confidence per slot: the policy needs it")
         step.draft = draft
         self.draft_forwards += 1
-        self.policy.costs.observe_draft(b - a, time.perf_counter() - t)
 
-    def _verify(self, step: DecodeStep) -> TargetOutput:
-        """One target forward over [anchor, drafts] per row, timed for the policy's cost model."""
+    def _verify(self, step: DecodeStep, timer: PhaseTimer) -> TargetOutput:
+        """One target forward over [anchor, drafts] per row, timed as the phase "verify"."""
         assert step.drafts is not None
-        r, k = step.drafts.tokens.shape
         tokens = torch.cat([step.anchors[:, None], step.drafts.tokens], dim=1)
-        t = time.perf_counter()
-        out = self.runner.verify(step.lo, tokens)
-        if out.logits.is_cuda:
-            torch.cuda.synchronize()  # time the work, not the launch
-        self.policy.costs.observe_verify(r, k + 1, time.perf_counter() - t)
-        return out
+        with timer.phase("verify"):
+            return self.runner.verify(step.lo, tokens)
 
     def _accept(self, step: DecodeStep, out: TargetOutput) -> None:
         """The rejection sampler over the rows' processed scores; its results on the host (one

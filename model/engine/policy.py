@@ -8,8 +8,7 @@ each step picks the draft count k that maximises expected committed tokens per s
     rate(k) = sum_r (1 + E_r(k)) / (t_draft(R) + t_verify(R, k + 1)),
     E_r(k)  = sum_{i<=k} prod_{j<=i} c_{r,j}   (c = the drafter's probability of its own draft j),
 
-and compares it with plain decoding, rate_ar = R / t_verify(R, 1) (when that is better, the
-drafter's drafts go unverified, and after a few such steps drafting pauses). The choice is made
+and compares it with plain decoding, rate_ar = R / t_verify(R, 1). The choice is made
 from the host before this step's drafts exist (the confidences of each row's previous block), so
 it is lossless for sampling rows too: greedy rows and sampling rows without a seed choose together,
 each kind with its own calibration of confidence against acceptance. A seeded sampling row uses a
@@ -242,8 +241,7 @@ class DraftPolicy:
         seeded: list[bool],
     ) -> None:
         """Greedy rows and sampling rows without a seed choose for the batch: the shared width with
-        the best expected token rate, each row taking the better proposer there; the drafter's
-        drafts only where drafting beats plain decoding at the measured costs."""
+        the best expected token rate at the measured costs, each row taking the better proposer there."""
         idx = [i for i in range(len(step.rows)) if not seeded[i]]
         if not idx:
             return
@@ -266,10 +264,6 @@ class DraftPolicy:
             if est is not None:
                 gain_n[i] = capped_gain(expected_accepted(est[None].double()), width, torch.tensor([width]))[0]
         draft_cost = self.costs.draft(b - a) if drafted else 0.0
-        if drafted:
-            _k, rate_d = best_shared_width(gain_d[idx], self.costs, draft_cost)
-            if rate_d < len(idx) / self.costs.verify(len(idx), 1):
-                gain_d.zero_()  # plain decoding is faster: no drafter drafts (`observe` pauses it)
         best = torch.maximum(gain_d[idx], gain_n[idx])
         shared, _rate = best_shared_width(best, self.costs, draft_cost)
         # Seeded rows may widen the forward: the others use the padded width for free.

@@ -164,6 +164,9 @@ class RequestOutput:
 
 @dataclass
 class StepTiming:
+    """What an engine step took (model/engine/timing.py on the device's clock): a decode step's
+    drafter block (0 when it did not run) and verify forward; a prefill's whole time."""
+
     kind: str  # "prefill" | "decode"
     batch_size: int
     draft_seconds: float

@@ -419,6 +419,28 @@ def test_capture_failure_falls_back_to_eager() -> None:
     assert torch.equal(out, (x + 1) * 2)
 
 
+def test_a_decode_step_waits_for_the_device_only_to_read_its_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft and verify are timed by CUDA events read after the results' copy (model/engine/timing.py):
+    no torch.cuda.synchronize() in a decode step, and the policy still gets both costs."""
+    model = tiny_target().to("cuda")
+    engine = Engine(TargetModel(model), tiny_drafter(domino=True).to("cuda"), mode="domino", max_batch_size=2)
+    engine.generate(_prompts(2), SamplingParams(max_new_tokens=4))  # warm: allocations, the first steps
+    calls: list[str] = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append("sync"), real(*a, **k))[1])
+    for i, prompt in enumerate(_prompts(2)):
+        engine.add_request(f"timed-{i}", prompt, SamplingParams(max_new_tokens=12))
+    engine.step()  # the prefill
+    decode_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        timing = engine.last_timing
+        assert timing is not None and timing.kind == "decode" and timing.verify_seconds > 0
+        decode_steps += 1
+    assert decode_steps > 0 and calls == []
+    assert engine.policy.costs.verify_s and engine.policy.costs.draft_s
+
+
 # -- the cost benchmark ------------------------------------------------------------------------
 
 

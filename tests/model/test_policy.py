@@ -235,11 +235,11 @@ def test_the_policys_queries_change_nothing_and_observe_learns() -> None:
     assert learned >= calls["plan"] // 2
 
 
-def test_costs_measured_at_start_up_replace_the_prior_between_the_cells() -> None:
-    """A GPU reads the weights once per forward and pays little per token. Probed at batch 1 and 16
-    (what the engine does at start-up), the cells in between follow the measured curve, where the
-    prior extrapolated linearly past 33 tokens per forward and made wide verifies look ~10x dearer
-    at batch 16: the policy then verifies more drafts there."""
+def test_costs_measured_at_start_up_are_interpolated_between_the_cells() -> None:
+    """A GPU reads the weights once per forward and pays little per row and token. Probed at batch
+    1 and 16 (what the engine does at start-up), the cells in between are interpolated from the
+    measured ones, where the prior extrapolated linearly past 33 tokens per forward and made wide
+    verifies look ~10x dearer at batch 16: the policy then verifies more drafts there."""
     from model.engine.costs import BANDWIDTH_BOUND_VERIFY_CURVE
 
     def gpu(batch: int, tokens: int) -> float:
