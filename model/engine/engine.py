@@ -455,7 +455,7 @@ class Engine:
         rows = self.rows[lo:hi]
         # A seeded request must choose the same alone or in a batch: never pause drafting under it,
         # and always draft (and draw uniforms for) the full block.
-        seeded = any(row.params.seed is not None and not row.params.greedy for row in rows)
+        seeded = any(row.params.seeded for row in rows)
         plan = self.policy.plan([row.params.greedy for row in rows], seeded)
         ngram_width = self.ngram_max_drafts if self.ngram and not plan.probe else 0
         return DecodeStep.begin(lo, hi, rows, plan, ngram_width)

@@ -171,7 +171,7 @@ class DraftPolicy:
             choice = self._choose_fixed(d, in_span, copy_len, step.budgets)
         else:
             choice = StepChoice([0] * r, [False] * r)
-            seeded = [not p.greedy and p.seed is not None for p in (row.params for row in step.rows)]
+            seeded = [row.params.seeded for row in step.rows]
             self._choose_seeded_rows(choice, step, conf, in_span, seeded)
             self._choose_batch_rows(choice, step, conf, copy_len, d > 0, seeded)
         if d > 0:
@@ -184,8 +184,7 @@ class DraftPolicy:
         rows; a seeded row's from a constant, so that it decides the same in any batch)."""
         out = np.empty((len(rows), d), dtype=np.float32)
         for i, row in enumerate(rows):
-            seeded = row.params.seed is not None and not row.params.greedy
-            out[i] = UNSEEN_CONFIDENCE if seeded else self.recent_confidence[:d]
+            out[i] = UNSEEN_CONFIDENCE if row.params.seeded else self.recent_confidence[:d]
             own = row.draft_confidence
             if own is not None:
                 n = min(d, own.shape[0])

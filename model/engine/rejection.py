@@ -28,12 +28,13 @@ def choice_arrays(step: DecodeStep) -> list[np.ndarray]:
             n = choice.counts[i]
             if choice.use_ngram[i] and step.copies.count(i) and n:
                 copied[i, :n] = step.copies.tokens[i, :n].numpy()  # a host tensor (copies are made there)
+    greedy, sampled = step.row_kinds
     return [
         np.array(choice.counts, dtype=np.int64),
         np.array(choice.use_ngram, dtype=np.bool_),
         copied,
-        np.array([i for i in range(r) if step.greedy_rows[i]], dtype=np.int64),
-        np.array([i for i in range(r) if not step.greedy_rows[i]], dtype=np.int64),
+        np.array(greedy, dtype=np.int64),
+        np.array(sampled, dtype=np.int64),
     ]
 
 
@@ -63,8 +64,7 @@ def assemble_drafts(step: DecodeStep, chosen: list[torch.Tensor]) -> Drafts:
         mask = from_ngram[:, None]
         tokens = torch.where(mask, copied, tokens)
         token_probs = torch.where(mask, torch.ones_like(token_probs), token_probs)
-    greedy = [i for i in range(r) if step.greedy_rows[i]]
-    sampled = [i for i in range(r) if not step.greedy_rows[i]]
+    greedy, sampled = step.row_kinds
     return Drafts(tokens, token_probs, counts, from_ngram, choice, greedy, greedy_index, sampled, sampled_index)
 
 

@@ -49,6 +49,12 @@ class SamplingParams:
         """Greedy decoding (argmax): a temperature of 0. The one place this rule is written."""
         return self.temperature <= 0
 
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed of its own: the draft policy must choose for it as if it were alone,
+        so that the seed gives the same text in any batch."""
+        return self.seed is not None and not self.greedy
+
     def validate(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")

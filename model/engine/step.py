@@ -117,7 +117,7 @@ class StepResults:
             padded = confidence.new_zeros(ints.shape[0], confidence.shape[1], dtype=torch.float64)
             padded[: confidence.shape[0]] = confidence
             parts.append(padded)
-        host = torch.cat(parts, dim=1).cpu() if len(parts) > 1 else parts[0].cpu()
+        host = torch.cat(parts, dim=1).cpu()
         w = ints.shape[1]
         rows = host[:, :w].long().tolist()
         conf = host[: confidence.shape[0], w:].float() if confidence is not None else None
@@ -186,6 +186,12 @@ class DecodeStep:
         slots = self.draws.draft_slots(self.uniforms, self.plan.drafter_slots)
         self.sampling = SamplingBatch.of_device_params(params, on_device[2:5], slots)
         return on_device[5:]
+
+    @property
+    def row_kinds(self) -> tuple[list[int], list[int]]:
+        """The indices of the greedy rows and of the sampling rows."""
+        greedy = [i for i, g in enumerate(self.greedy_rows) if g]
+        return greedy, [i for i, g in enumerate(self.greedy_rows) if not g]
 
     @property
     def drafter_slots(self) -> int:
