@@ -40,6 +40,9 @@ class EngineConfig:
     # prompt chunks in what is left, at least max(1, budget // 4) a step. None: whole prompts, in
     # steps of their own (and prefill_split_tokens groups them).
     max_num_batched_tokens: int | None = None
+    # Chunks ride in the decode step's verify forward (one pass through the weights a step) on the
+    # dynamic path; False: a prefill forward of their own after it (the comparison's other side).
+    fold_chunks: bool = True
     # Time verify forwards (batch 1 and the largest, every verify width) and drafter blocks before
     # serving, so the adaptive policy starts from this device's costs, not a prior's
     # (model/engine/cost_probe.py). The server turns it on; tests and benchmarks that build many

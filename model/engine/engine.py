@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
 from model.engine.ngram import NgramIndex
 from model.engine.policy import DraftPolicy
-from model.engine.prefill import PrefillResult
+from model.engine.prefill import PrefillBatch, PrefillResult
 from model.engine.proposers import DraftProposer, NgramProposer
 from model.engine.rejection import accept, assemble_drafts, choice_arrays
 from model.engine.requests import RequestOutput, RequestStats, SamplingParams, StepTiming, check_prompt
@@ -41,6 +41,16 @@ from model.kv.blocks import BlockPool
 from model.nn.attention import KV_READS
 from model.nn.drafter import Drafter
 from model.nn.target import TargetModel, TargetOutput
+
+
+@dataclass
+class FoldedChunks:
+    """Prompt chunks a decode step carries in its verify forward (chunked prefill): the rows and
+    their chunk sizes, the prefill planned for them, and their generators' states before it."""
+
+    taken: list[tuple[Row, int]]
+    batch: PrefillBatch
+    states: list[dict[str, Any]]
 
 
 class Engine:
@@ -113,6 +123,8 @@ class Engine:
         self.prefilling: list[Row] = []
         self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
         self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
+        # Chunks a decode step's verify carried, prefilled: (taken, batch, result, start time).
+        self._folded: tuple[list[tuple[Row, int]], PrefillBatch, PrefillResult, float] | None = None
         self.scheduler = Scheduler(
             cfg.max_batch_size, self.runner.blocks, self.runner.lookahead, self.runner.share_prefixes
         )
@@ -231,7 +243,9 @@ class Engine:
 
     def _chunked_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Chunked prefill: admit into the prefilling rows, decode the decoding rows, then spend
-        what is left of the token budget on prompt chunks, oldest request first."""
+        what is left of the token budget on prompt chunks, oldest request first. On the dynamic
+        path the chunks ride in the decode's verify forward (one pass through the weights a step);
+        with static shapes, or when that fold fails, they go in a prefill of their own after it."""
         new = self.scheduler.admit([*self.rows, *self.prefilling])
         if new:
             self.policy.on_admit()
@@ -240,23 +254,32 @@ class Engine:
                 self.prefilling.append(row)
         decoded = 0
         self.last_timing = None  # this step's: the decode's, else the prefill's
+        self._folded = None
         if self.rows:
             decoded = len(self.rows) * (self.max_drafts_per_step + 1)  # a bound, if the step fails
-            self._decode_running(outputs)
+            fold = self.prefilling and self.static is None and self.config.fold_chunks
+            self._decode_running(outputs, self._fold_chunks if fold else None)
             if self.last_timing is not None and self.last_timing.kind == "decode":
                 decoded = self.last_timing.batch_size * (self.last_timing.num_drafts + 1)
-        if self.prefilling:
-            assert self.token_budget is not None
-            # Decoding may use the whole budget; a prompt still moves by a minimum chunk a step.
-            outputs.extend(self._prefill_chunks(max(self.token_budget - decoded, max(1, self.token_budget // 4))))
+        folded, self._folded = self._folded, None
+        if folded is not None:
+            taken, batch, result, t0 = folded
+            outputs.extend(self._after_chunks(taken, result, t0))
+        elif self.prefilling:
+            outputs.extend(self._prefill_chunks(self._chunk_budget(decoded)))
         return outputs
 
-    def _prefill_chunks(self, budget: int) -> list[RequestOutput]:
-        """Forward up to `budget` prompt tokens of the prefilling rows, oldest first, in one
-        prefill (forwards grouped as `prefill_split_tokens` says, like whole prompts): a row gets
-        tokens only once every older one is done, so all but the last row taken finish, and join
-        the decoding rows in the slots they hold. A prompt scored for its logprobs is forwarded
-        whole and alone. If the prefill fails, each row's chunk is retried alone, so a bad one fails alone."""
+    def _chunk_budget(self, decoded: int) -> int:
+        """Prompt tokens a step that decodes `decoded` tokens may forward: what is left of the
+        budget, and at least a quarter of it, so that a prompt never starves behind decoding."""
+        assert self.token_budget is not None
+        return max(self.token_budget - decoded, max(1, self.token_budget // 4))
+
+    def _take_chunks(self, budget: int) -> list[tuple[Row, int]]:
+        """The prefilling rows' next chunks within `budget`, oldest first: a row gets tokens only
+        once every older one is done, so all but the last row taken finish. A prompt scored for its
+        logprobs is taken whole and alone (padding beside other rows would move its scores in the
+        last bits)."""
         taken: list[tuple[Row, int]] = []
         for row in self.prefilling:
             if budget <= 0:
@@ -264,11 +287,47 @@ class Engine:
             remaining = cached_tokens(row) - row.prefilled
             scored = row.params.prompt_logprobs is not None and not row.output_ids
             if scored and taken:
-                break  # next step, alone: padding beside other rows would move its scores in the last bits
+                break  # next step, alone
             taken.append((row, remaining if scored else min(remaining, budget)))
             budget -= taken[-1][1]
             if scored:
                 break
+        return taken
+
+    def _fold_chunks(self, decoded: int) -> FoldedChunks | None:
+        """The chunks a decode step of `decoded` tokens carries in its verify forward, planned
+        (model/engine/prefill.py: `Prefiller.plan`); None when they must go alone (a scored prompt)."""
+        taken = self._take_chunks(self._chunk_budget(decoded))
+        if not taken or any(row.params.prompt_logprobs is not None and not row.output_ids for row, _ in taken):
+            return None
+        rows = [row for row, _ in taken]
+        batch = self.runner.prefiller.plan(rows, len(self.rows), chunk=[n for _, n in taken])
+        return FoldedChunks(taken, batch, [row.generator.bit_generator.state for row in rows])
+
+    def _finish_folded(self, fold: FoldedChunks, outs: list[TargetOutput], t0: float) -> None:
+        """The folded chunks' prefill completed from their part of the verify forward, before the
+        decode rows' caches move; if that fails, the rows are seated again and the chunks go in a
+        prefill of their own after the decode (`_chunked_step`)."""
+        try:
+            result = self.runner.prefiller.finish(fold.batch, outs)
+        except Exception:  # noqa: BLE001 - the chunks are retried alone, after the decode
+            for (row, _), state in zip(fold.taken, fold.states):
+                row.generator.bit_generator.state = state
+            self._reseat_prefilling()
+            return
+        self._folded = (fold.taken, fold.batch, result, t0)
+
+    def _reseat_prefilling(self) -> None:
+        """Each prefilling row back in its slot after the decoding rows, with its length."""
+        for j, row in enumerate(self.prefilling):
+            self.runner.seat(row, len(self.rows) + j)
+
+    def _prefill_chunks(self, budget: int) -> list[RequestOutput]:
+        """Forward up to `budget` prompt tokens of the prefilling rows (`_take_chunks`) in one
+        prefill (forwards grouped as `prefill_split_tokens` says, like whole prompts); the rows
+        whose prompt is in join the decoding rows in the slots they hold. If the prefill fails,
+        each row's chunk is retried alone, so a bad one fails alone."""
+        taken = self._take_chunks(budget)
         t0 = time.perf_counter()
         rows = [row for row, _ in taken]
         states = [row.generator.bit_generator.state for row in rows]
@@ -277,9 +336,13 @@ class Engine:
         except Exception:  # noqa: BLE001 - retried row by row below
             for row, state in zip(rows, states):
                 row.generator.bit_generator.state = state  # the retry draws the same random numbers
-            for j, row in enumerate(self.prefilling):  # the failed prefill placed them in its order
-                self.runner.seat(row, len(self.rows) + j)
+            self._reseat_prefilling()  # the failed prefill placed them in its order
             return self._prefill_chunks_alone(taken, t0)
+        return self._after_chunks(taken, result, t0)
+
+    def _after_chunks(self, taken: list[tuple[Row, int]], result: PrefillResult, t0: float) -> list[RequestOutput]:
+        """The chunks of `taken` are in: the rows whose prompt is done join the decoding rows."""
+        rows = [row for row, _ in taken]
         self.num_prefill_chunks += len(taken)
         self.last_prefill_tokens += sum(n for _, n in taken)
         # The prefill sorted its rows by chunk length: the finished ones take the first slots (they
@@ -337,9 +400,12 @@ class Engine:
         for j in range(k, len(self.prefilling)):
             self.runner.move_row(base + j + 1, base + j)
 
-    def _decode_running(self, outputs: list[RequestOutput]) -> None:
+    def _decode_running(
+        self, outputs: list[RequestOutput], fold: Callable[[int], FoldedChunks | None] | None = None
+    ) -> None:
         """One decode step of every decoding row: first the blocks each grows into (preempting the
-        newest when they run out), then the step, retried row by row if it fails."""
+        newest when they run out), then the step, retried row by row if it fails (without `fold`:
+        prompt chunks to carry in the verify forward, given the decode's tokens)."""
         if self.rows:
             preempted = self.scheduler.preempt_for_step(self.rows)  # back in the queue, to be recomputed
             self._remove_rows([self.rows.index(row) for row in preempted])
@@ -349,7 +415,7 @@ class Engine:
             states = [row.generator.bit_generator.state for row in self.rows]
             try:
                 self.runner.place(self.rows)  # the blocks each row grew into
-                outputs.extend(self._decode())
+                outputs.extend(self._decode(fold=fold))
             except Exception:  # noqa: BLE001 - retry row by row; caches only advance on success
                 for row, state in zip(self.rows, states):
                     row.generator.bit_generator.state = state  # the retry draws the same random numbers
@@ -425,24 +491,36 @@ class Engine:
         return output
 
     @torch.inference_mode()
-    def _decode(self, lo: int = 0, hi: int | None = None, finalize: bool = True) -> list[RequestOutput]:
-        """One speculative step for rows lo..hi-1: choose -> draft -> verify -> accept -> emit."""
+    def _decode(
+        self,
+        lo: int = 0,
+        hi: int | None = None,
+        finalize: bool = True,
+        fold: Callable[[int], FoldedChunks | None] | None = None,
+    ) -> list[RequestOutput]:
+        """One speculative step for rows lo..hi-1: choose -> draft -> verify -> accept -> emit.
+        `fold(tokens)`: prompt chunks planned for the verify forward to carry (chunked prefill)."""
         step = self._begin_step(lo, len(self.rows) if hi is None else hi)
         timer = PhaseTimer(self.device)
         self._choose(step)
         chosen = step.load(self.device, choice_arrays(step))  # the step's one copy to the device
         self._draft(step, timer)
         step.drafts = assemble_drafts(step, chosen)
-        out = self._verify(step, timer)
+        r, k = step.drafts.tokens.shape
+        chunks = fold(r * (k + 1)) if fold is not None else None
+        t0 = time.perf_counter()
+        out, chunk_outs = self._verify(step, timer, chunks)
+        if chunks is not None:
+            self._finish_folded(chunks, chunk_outs, t0)
         self._accept(step, out)
         # The results are on the host: the phases' marks are complete (model/engine/timing.py).
-        r, k = step.drafts.tokens.shape
         draft_s = timer.seconds("draft") if step.draft is not None else 0.0
         verify_s = timer.seconds("verify")
         if step.draft is not None:
             a, b = step.draft_span
             self.policy.costs.observe_draft(b - a, draft_s)
-        self.policy.costs.observe_verify(r, k + 1, verify_s)
+        if chunks is None:  # a forward that carried prompt chunks says nothing of a verify's cost
+            self.policy.costs.observe_verify(r, k + 1, verify_s)
         self.policy.observe(step)
         self.last_timing = StepTiming("decode", r, draft_s, verify_s, k)
         outputs, done = self._emit(step, out)
@@ -488,12 +566,18 @@ class Engine:
         step.draft = draft
         self.draft_forwards += 1
 
-    def _verify(self, step: DecodeStep, timer: PhaseTimer) -> TargetOutput:
-        """One target forward over [anchor, drafts] per row, timed as the phase "verify"."""
+    def _verify(
+        self, step: DecodeStep, timer: PhaseTimer, chunks: FoldedChunks | None = None
+    ) -> tuple[TargetOutput, list[TargetOutput]]:
+        """One target forward over [anchor, drafts] per row, timed as the phase "verify"; with
+        `chunks`, their prefill groups go through the same forward (their outputs second)."""
         assert step.drafts is not None
         tokens = torch.cat([step.anchors[:, None], step.drafts.tokens], dim=1)
         with timer.phase("verify"):
-            return self.runner.verify(step.lo, tokens)
+            if chunks is None:
+                return self.runner.verify(step.lo, tokens), []
+            out, *chunk_outs = self.runner.verify_packed(step.lo, tokens, chunks.batch.row_groups())
+            return out, chunk_outs
 
     def _accept(self, step: DecodeStep, out: TargetOutput) -> None:
         """The rejection sampler over the rows' processed scores; its results on the host (one

@@ -20,7 +20,7 @@ from model.kv.blocks import BlockTables
 from model.kv.draft_cache import DraftContextCache
 from model.kv.target_cache import RaggedKVCache
 from model.nn.drafter import Drafter
-from model.nn.target import TargetModel
+from model.nn.target import RowGroup, TargetModel, TargetOutput
 
 
 def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
@@ -52,6 +52,27 @@ class PrefillResult:
     logprobs: list[list[TokenLogprob] | None]  # of the first token, where asked for
     prompt_logprobs: list[list[TokenLogprob] | None]  # of the prompt, where asked for
     features: list[torch.Tensor | None]  # captured target features [prompt, K*H] (capture only), fp16 on the host
+
+
+@dataclass
+class PrefillBatch:
+    """A prefill planned (`Prefiller.plan`): rows in the order of their slots lo.., what each
+    forwards, and the padded groups [a, b) of rows that go through the target together."""
+
+    rows: list[Row]
+    lo: int
+    ids: dict[int, list[int]]  # id(row) -> the tokens its caches will hold (cache_ids)
+    starts: list[int]  # what each row's caches hold before
+    lengths: list[int]  # tokens each row forwards now
+    lens: torch.Tensor  # lengths, on the device
+    done: set[int]  # id(row) of the rows whose prompt is all in after this
+    resumed: set[int]  # id(row) of the preempted rows recomputed
+    groups: list[tuple[int, int]]
+    tokens: list[torch.Tensor]  # per group [b - a, longest], padded on the right, on the device
+
+    def row_groups(self) -> list[RowGroup]:
+        """The groups for a packed forward (model/nn/target.py)."""
+        return [RowGroup(self.lo + a, t, self.lens[a:b] - 1) for (a, b), t in zip(self.groups, self.tokens)]
 
 
 class Prefiller:
@@ -91,33 +112,47 @@ class Prefiller:
         captured for it again. `chunk`: forward that many tokens of each row (chunked prefill); a
         row whose prompt is not done yet gets no first token (None) and no random draw, and its
         blocks are indexed for sharing only once it is."""
+        batch = self.plan(new, lo, chunk)
+        outputs, scored = self.forward(batch)
+        return self.finish(batch, outputs, scored)
+
+    def plan(self, new: list[Row], lo: int, chunk: list[int] | None = None) -> PrefillBatch:
+        """`run`'s first part: the rows in their slots (sorted by tokens to forward), the tokens
+        each forwards and the groups they go in. Nothing is forwarded or advanced yet."""
         dev = self.device
         resumed = {id(r) for r in new if r.output_ids}
         ids = {id(r): cache_ids(r) for r in new}
-        cached = {id(r): r.prefilled for r in new}
         todo = {id(r): len(ids[id(r)]) - r.prefilled for r in new}
         if chunk is not None:
             todo = {id(r): min(n, todo[id(r)]) for r, n in zip(new, chunk)}
         new = sorted(new, key=lambda r: todo[id(r)])
         self.place(new, lo)
-        starts = [cached[id(r)] for r in new]
+        starts = [r.prefilled for r in new]
         lengths = [todo[id(r)] for r in new]  # tokens forwarded per row
-        done = {id(r) for r in new if cached[id(r)] + todo[id(r)] == len(ids[id(r)])}
-        lens = torch.tensor(lengths, device=dev)
+        done = {id(r) for r in new if r.prefilled + todo[id(r)] == len(ids[id(r)])}
         for row in new:
             if id(row) not in resumed:
                 row.stats.cached_prompt_tokens = row.shared_tokens
         groups = prefill_groups(lengths, self.split_tokens)
-        logits_parts, features = [], []
-        scored_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
+        tokens = []
         for a, b in groups:
-            tokens = torch.zeros(b - a, lengths[b - 1], dtype=torch.long, device=dev)
+            part = torch.zeros(b - a, lengths[b - 1], dtype=torch.long)
             for i in range(a, b):
-                tokens[i - a, : lengths[i]] = torch.tensor(
-                    ids[id(new[i])][starts[i] : starts[i] + lengths[i]], device=dev
-                )
-            self.cache.set_lengths(lo + a, starts[a:b])
-            scored = [i for i in range(a, b) if new[i].params.prompt_logprobs is not None and id(new[i]) not in resumed]
+                part[i - a, : lengths[i]] = torch.tensor(ids[id(new[i])][starts[i] : starts[i] + lengths[i]])
+            tokens.append(part.to(dev))
+        self.cache.set_lengths(lo, starts)
+        lens = torch.tensor(lengths, device=dev)
+        return PrefillBatch(new, lo, ids, starts, lengths, lens, done, resumed, groups, tokens)
+
+    def forward(self, batch: PrefillBatch) -> tuple[list[TargetOutput], list[list[TokenLogprob] | None]]:
+        """`run`'s second part: one target forward per group; (outputs, prompt logprobs per row)."""
+        new, lo, lens = batch.rows, batch.lo, batch.lens
+        outputs = []
+        scored_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
+        for (a, b), tokens in zip(batch.groups, batch.tokens):
+            scored = [
+                i for i in range(a, b) if new[i].params.prompt_logprobs is not None and id(new[i]) not in batch.resumed
+            ]
             out = self.target.forward(
                 self.cache,
                 lo + a,
@@ -131,9 +166,29 @@ class Prefiller:
                 top_n = new[i].params.prompt_logprobs
                 assert out.hidden is not None and top_n is not None
                 scored_logprobs[i] = prompt_logprobs(self.target.lm_head, out.hidden[i - a], new[i].prompt_ids, top_n)
-            logits_parts.append(out.logits[:, 0])
-            features.append(out.features)
-        logits = torch.cat(logits_parts)
+            outputs.append(out)
+        return outputs, scored_logprobs
+
+    def finish(
+        self,
+        batch: PrefillBatch,
+        outputs: list[TargetOutput],
+        scored_logprobs: list[list[TokenLogprob] | None] | None = None,
+    ) -> PrefillResult:
+        """`run`'s last part, from its groups' outputs (`forward`'s, or a packed forward's that
+        carried them beside a decode step): the first tokens, then the caches advanced."""
+        dev = self.device
+        new, lo, starts, lengths, lens, done, resumed = (
+            batch.rows,
+            batch.lo,
+            batch.starts,
+            batch.lengths,
+            batch.lens,
+            batch.done,
+            batch.resumed,
+        )
+        groups, features = batch.groups, [out.features for out in outputs]
+        logits = torch.cat([out.logits[:, 0] for out in outputs])
         # First tokens for the rows new to the batch whose prompt is done, with the first of each
         # one's uniforms.
         fresh = [i for i, r in enumerate(new) if id(r) not in resumed and id(r) in done]
@@ -160,7 +215,7 @@ class Prefiller:
         if self.shared_prefixes is not None:
             for row in new:
                 if id(row) in done:
-                    self.shared_prefixes.index_prefix(row.request_id, ids[id(row)])
+                    self.shared_prefixes.index_prefix(row.request_id, batch.ids[id(row)])
         captured: list[torch.Tensor | None] = [None] * len(new)
         if self.capture:
             for (a, b), feats in zip(groups, features):
@@ -168,4 +223,4 @@ class Prefiller:
                 for i in range(a, b):
                     if id(new[i]) not in resumed:
                         captured[i] = feats[i - a, : lengths[i]].to(torch.float16).cpu()
-        return PrefillResult(new, first, first_logprobs, scored_logprobs, captured)
+        return PrefillResult(new, first, first_logprobs, scored_logprobs or [None] * len(new), captured)

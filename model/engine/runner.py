@@ -19,7 +19,7 @@ from model.engine.static import StaticSteps, batch_buckets, span_buckets, verify
 from model.kv.blocks import BlockPool, BlockTables, kv_budget, kv_bytes_per_token
 from model.kv.sizes import format_bytes
 from model.nn.drafter import Drafter, new_context_cache
-from model.nn.target import TargetModel, TargetOutput
+from model.nn.target import RowGroup, TargetModel, TargetOutput
 
 
 def check_drafter(mode: str, drafter: Drafter | None) -> None:
@@ -162,6 +162,13 @@ class ModelRunner:
             if out is not None:
                 return TargetOutput(out[0], out[1] if len(out) > 1 else None)
         return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
+
+    def verify_packed(self, lo: int, tokens: torch.Tensor, groups: list[RowGroup]) -> list[TargetOutput]:
+        """`verify` on the dynamic path with other groups of rows (prompt chunks) in the same
+        forward; the verify's output first, then each group's."""
+        return self.target.forward_packed(
+            self.cache, [RowGroup(lo, tokens), *groups], want_features=self.want_features, taps=self.taps
+        )
 
     def advance(self, lo: int, hi: int, out: TargetOutput, accepted: torch.Tensor, host_accepted: list[int]) -> None:
         """Advance the caches by each row's anchor + accepted drafts (rejected positions are simply

@@ -8,12 +8,27 @@ isn't advanced past them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
 from model.kv.paged import PagedKV
+
+
+@dataclass
+class PackedGroup:
+    """One padded group of rows in a packed forward: slots lo..hi-1, `width` tokens each, the
+    group's tokens at [offset, offset + (hi - lo) * width) of the packed sequence (row-major),
+    attending over `kv_len` keys under `mask` [R, 1, width, kv_len]."""
+
+    lo: int
+    hi: int
+    width: int
+    offset: int
+    kv_len: int
+    mask: torch.Tensor
 
 
 class RaggedKVCache(PagedKV, Cache):
@@ -41,6 +56,8 @@ class RaggedKVCache(PagedKV, Cache):
         self._kv_len = 0
         self._index: tuple[torch.Tensor, ...] = ()
         self.written: list[int] = []  # layer_idx of every `update` since the last `prepare`
+        # A packed forward's groups (`prepare_packed`); empty for a padded one.
+        self.packed: list[PackedGroup] = []
 
     def prepare(self, lo: int, start: torch.Tensor, num_new: int, span: int | None = None) -> None:
         """Route the next forward's writes: rows lo.., token t of row r goes to start[r] + t.
@@ -52,12 +69,29 @@ class RaggedKVCache(PagedKV, Cache):
         self._kv_len = self.attended(lo, r, num_new, span)
         self._index = self.scatter_index(lo, start, num_new)
         self.written = []
+        self.packed = []
+
+    def prepare_packed(self, groups: list[PackedGroup], starts: list[torch.Tensor]) -> None:
+        """Route a packed forward's writes: the groups' tokens one sequence [1, N], group g's row r
+        token t written at starts[g][r] + t of slot lo + r. Attention then reads each group's keys
+        itself (`view`, model/nn/attention.py), so `update` returns the new keys unchanged."""
+        parts = [self.scatter_index(g.lo, start, g.width) for g, start in zip(groups, starts)]
+        # Each index is (blocks [R, 1, T], offsets [R, 1, T], heads [1, KV, 1]): flattened row-major
+        # like the tokens, [1, 1, R*T] per group, concatenated.
+        blocks = torch.cat([b.reshape(1, 1, -1) for b, _, _ in parts], dim=2)
+        offsets = torch.cat([o.reshape(1, 1, -1) for _, o, _ in parts], dim=2)
+        self._index = (blocks, offsets, parts[0][2])
+        self._lo = self._hi = self._kv_len = 0
+        self.written = []
+        self.packed = groups
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.written.append(layer_idx)
         self.write(layer_idx, self._index, key_states, value_states)
+        if self.packed:
+            return key_states, value_states
         return self.view(layer_idx, self._lo, self._hi, self._kv_len)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

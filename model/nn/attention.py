@@ -75,7 +75,11 @@ def _domino_sdpa(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; output [R, T, H, D] like its SDPA."""
+    """transformers' attention-function signature; output [R, T, H, D] like its SDPA. In a packed
+    forward (`packed_cache` passed through the decoder's kwargs) each group attends on its own."""
+    packed_cache = kwargs.get(PACKED_KWARG)
+    if packed_cache is not None:
+        return packed_attention(module, query, packed_cache, scaling), None
     KV_READS.add(key, value)
     q_len = query.shape[2]
     if q_len > 1 and dropout == 0.0 and can_pack(query.shape[1], key.shape[1], attention_mask):
@@ -84,6 +88,30 @@ def _domino_sdpa(
         return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, cache: Any, scale: float | None) -> torch.Tensor:
+    """Attention of a packed forward: query [1, H, N, D] holds several padded groups of rows one
+    after another (`cache.packed`: model/kv/target_cache.py), each attending over its own rows' keys
+    under its own mask, as a padded forward of that group alone would. Returns [1, N, H, D]."""
+    _, h, _, d = query.shape
+    outs = []
+    for g in cache.packed:
+        r = g.hi - g.lo
+        q = query[0, :, g.offset : g.offset + r * g.width].view(h, r, g.width, d).transpose(0, 1)
+        k, v = cache.view(module.layer_idx, g.lo, g.hi, g.kv_len)
+        KV_READS.add(k, v)
+        mask = g.mask[..., : k.shape[2]]
+        if can_pack(h, k.shape[1], mask):
+            out = packed_gqa_attention(q, k, v, mask, scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != k.shape[1])
+        outs.append(out.transpose(1, 2).reshape(r * g.width, h, d))
+    return torch.cat(outs)[None]
+
+
+# The decoder keyword a packed forward passes its cache under (transformers hands a model's extra
+# keywords down to the attention function).
+PACKED_KWARG = "domino_packed_cache"
 
 AttentionInterface.register(ATTENTION_NAME, _domino_sdpa)
 ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)

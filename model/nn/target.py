@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.kv.target_cache import RaggedKVCache, check_cache_written
-from model.nn.attention import use_packed_attention
+from model.kv.target_cache import PackedGroup, RaggedKVCache, check_cache_written
+from model.nn.attention import PACKED_KWARG, use_packed_attention
 
 
 def cache_argument(forward: Callable[..., Any]) -> str:
@@ -36,6 +36,17 @@ class TargetOutput:
     logits: torch.Tensor  # [R, T, V] (or [R, 1, V] when only the last position was asked for)
     features: torch.Tensor | None  # [R, T, K*H] concatenated taps, when taps are set
     hidden: torch.Tensor | None = None  # [R, T, H] final hidden states, with keep_hidden (prompt logprobs)
+
+
+@dataclass
+class RowGroup:
+    """The rows of one group of a packed forward (`TargetModel.forward_packed`): slots
+    lo..lo+R-1, tokens [R, T] padded on the right, and (prefill) the one position per row whose
+    logits are wanted."""
+
+    lo: int
+    tokens: torch.Tensor
+    logits_at: torch.Tensor | None = None
 
 
 class TargetModel:
@@ -120,11 +131,7 @@ class TargetModel:
         start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]
         cache.prepare(lo, start, t, span=span)
-        kv_len = cache.get_seq_length()
-        # Causal over each row's own committed prefix plus the new tokens.
-        visible = torch.arange(kv_len, device=tokens.device)[None, None, :] <= positions[:, :, None]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=tokens.device)
-        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
+        mask = self._causal_mask(positions, cache.get_seq_length())
         self._captured.clear()
         kwargs = {self.cache_kwarg: cache}
         out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
@@ -139,3 +146,59 @@ class TargetModel:
             features = torch.cat([self._captured[i] for i in taps], dim=-1)
         self._captured.clear()
         return TargetOutput(logits=logits, features=features, hidden=all_hidden if keep_hidden else None)
+
+    def _causal_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[R, 1, T, kv_len]: each row's token at `positions` [R, T] sees its own committed prefix
+        and the new tokens up to itself."""
+        visible = torch.arange(kv_len, device=positions.device)[None, None, :] <= positions[:, :, None]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=positions.device)
+        return mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None]
+
+    @torch.inference_mode()
+    def forward_packed(
+        self, cache: RaggedKVCache, groups: list[RowGroup], want_features: bool = True, taps: list[int] | None = None
+    ) -> list[TargetOutput]:
+        """Several groups of rows in one decoder pass, each as `forward` would run it alone (a
+        decode step's verify and a prompt chunk, say): the groups' tokens go through the weights as
+        one sequence [1, N], so a step pays the weights' reads and the per-forward work once, while
+        attention runs per group over its own rows (model/nn/attention.py: `packed_attention`)."""
+        dev = groups[0].tokens.device
+        packed: list[PackedGroup] = []
+        starts, positions = [], []
+        offset = 0
+        for g in groups:
+            r, t = g.tokens.shape
+            start = cache.starts(g.lo, r)
+            pos = start[:, None] + torch.arange(t, device=dev)[None, :]
+            kv_len = cache.attended(g.lo, r, t)
+            packed.append(PackedGroup(g.lo, g.lo + r, t, offset, kv_len, self._causal_mask(pos, kv_len)))
+            starts.append(start)
+            positions.append(pos.reshape(-1))
+            offset += r * t
+        cache.prepare_packed(packed, starts)
+        tokens = torch.cat([g.tokens.reshape(-1) for g in groups])[None]
+        # A 4D mask is taken as it is; each group's own masks are in `packed`.
+        placeholder = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=dev)
+        self._captured.clear()
+        kwargs = {self.cache_kwarg: cache, PACKED_KWARG: cache}
+        try:
+            out = self.decoder(
+                input_ids=tokens, attention_mask=placeholder, position_ids=torch.cat(positions)[None],
+                use_cache=True, **kwargs,
+            )  # fmt: skip
+        finally:
+            cache.packed = []
+        check_cache_written(cache, self.num_layers)
+        taps = self.tap_layer_ids if taps is None else taps
+        hidden = out.last_hidden_state[0]
+        tapped = torch.cat([self._captured[i][0] for i in taps], dim=-1) if want_features and taps else None
+        self._captured.clear()
+        outputs = []
+        for g, p in zip(groups, packed):
+            r, t = g.tokens.shape
+            h = hidden[p.offset : p.offset + r * t].view(r, t, -1)
+            if g.logits_at is not None:
+                h = h[torch.arange(r, device=dev), g.logits_at][:, None]
+            features = None if tapped is None else tapped[p.offset : p.offset + r * t].view(r, t, -1)
+            outputs.append(TargetOutput(logits=self.lm_head(h), features=features))
+        return outputs

@@ -574,18 +574,59 @@ def test_shared_prefix_blocks_are_never_written() -> None:
 # -- chunked prefill (EngineConfig.max_num_batched_tokens) ------------------------------------------
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "own-forward"])
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("mode", MODES)
-def test_chunked_prefill_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str) -> None:
+def test_chunked_prefill_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str, fold: bool) -> None:
     """Prompt chunks of at most 7 tokens, sharing steps with decoding rows (8 requests through
-    `batch` rows: rows join and leave): every output is still HF greedy's."""
+    `batch` rows: rows join and leave), carried in the verify forward or in one of their own:
+    every output is still HF greedy's."""
     model, prompts, budgets, refs = target_and_refs
-    engine = _engine(model, mode, batch, draft_policy=policy, max_num_batched_tokens=7)
+    engine = _engine(model, mode, batch, draft_policy=policy, max_num_batched_tokens=7, fold_chunks=fold)
     results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
     assert [tokens for tokens, _, _ in results] == refs
     assert not engine.prefilling and not engine.rows
     assert engine.num_prefill_chunks >= sum(-(-len(p) // 7) for p in prompts)  # none longer than 7
+
+
+@pytest.mark.parametrize("fail", ["packed-forward-1", "append-2", "append-3", "append-5"])
+def test_a_failure_in_a_step_carrying_chunks_is_retried_and_output_unchanged(fail: str) -> None:
+    """A step whose verify forward carries prompt chunks fails once: in the forward itself, or in
+    the drafter's append (the n-th call: a chunk's prefill or a decode's). The decode is retried row
+    by row and the chunks go alone; no request fails and every output is HF greedy's."""
+    model = tiny_target()
+    prompts = [*_prompts(2), (_prompts(10)[6] * 2)[:40]]
+    budgets = [16, 12, 6]
+    refs = [_hf_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    engine = _engine(model, "domino", 3, draft_policy="fixed", max_num_batched_tokens=8)
+    assert engine.drafter is not None
+    where, n = fail.rsplit("-", 1)
+    calls, failed = 0, 0
+    owner, name = (engine.target, "forward_packed") if where == "packed-forward" else (engine.drafter, "append_context")
+    real = getattr(owner, name)
+
+    def flaky(*args, **kwargs):
+        nonlocal calls, failed
+        calls += 1
+        if calls == int(n):
+            failed += 1
+            if where == "append":
+                real(*args, **kwargs)  # the write may be done in part before a failure
+            raise RuntimeError(f"{name} failed")
+        return real(*args, **kwargs)
+
+    setattr(owner, name, flaky)
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=b, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert_lengths_mirrored(engine)
+    assert failed == 1
+    assert [tokens[str(i)] for i in range(3)] == refs
 
 
 def test_decoding_rows_emit_every_step_while_a_long_prompt_prefills() -> None:
