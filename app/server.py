@@ -35,6 +35,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def chunk_budget(setting: int | None) -> int | str | None:
+    """DOMINO_MAX_NUM_BATCHED_TOKENS as the engine takes it: unset "auto", 0 off (None)."""
+    if setting is None:
+        return "auto"
+    return setting or None
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's configuration from the server's settings (the EOS ids come from the model)."""
     return EngineConfig(
@@ -47,7 +54,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         static_shapes=None if settings.static_shapes == "auto" else settings.static_shapes == "on",
         cuda_graphs=settings.cuda_graphs,
         prefix_cache_tokens=settings.prefix_cache_tokens,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_batched_tokens=chunk_budget(settings.max_num_batched_tokens),
         probe_costs=settings.probe_costs,
         kv_cache_memory=parse_memory(settings.kv_cache_memory) if settings.kv_cache_memory is not None else None,
         kv_block_size=settings.kv_block_size,
@@ -91,6 +98,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
     log.info("%s", engine.runner.kv_summary())
     if engine.cost_probe is not None:
         log.info("%s", engine.cost_probe.summary())
+    log.info("%s", engine.chunking_summary())
     return engine, tokenizer
 
 

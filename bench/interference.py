@@ -15,7 +15,9 @@ together; `--delay` seconds in, a P-token prompt (held-out text tokenized by the
 sent as token ids, one token asked for) arrives. A stream's gap is the wall time between two of its
 SSE chunks. Reported: the streams' median gap outside the long prompt's prefill (from its sending
 to its answer), their p99 and largest gap inside it, p99 over that median, and the prompt's TTFT.
-Start the server with and without DOMINO_MAX_NUM_BATCHED_TOKENS to compare.
+Start the server with and without DOMINO_MAX_NUM_BATCHED_TOKENS to compare:
+`scripts/bench_interference_served.sh` runs two servers in turns and `--summarize` puts their
+records together (per label: every run and the medians).
 """
 
 from __future__ import annotations
@@ -161,6 +163,26 @@ def served_run(
     }
 
 
+def summarize(files: list[Path]) -> dict[str, Any]:
+    """Served records of several invocations (each `--url ... --json`) grouped by label: every run,
+    the medians over them, and a table."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path in files:
+        record = json.loads(path.read_text())
+        runs.setdefault(record["label"], []).extend(record["runs"])
+    summary = {label: medians(records) for label, records in runs.items()}
+    lines = [
+        "| server | runs | streams' median gap outside, ms | p99 gap during, ms | p99 / median | its TTFT, s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, m in summary.items():
+        lines.append(
+            f"| {label} | {len(runs[label])} | {m['median_gap_outside_ms']:.0f} | {m['p99_gap_during_ms']:.0f} | "
+            f"{m['p99_over_median']:.2f} | {m['ttft_long_s']:.2f} |"
+        )
+    return {"runs": runs, "median_over_reps": summary, "table": "\n".join(lines)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=DEFAULT_TARGET)
@@ -178,7 +200,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--delay", type=float, default=8.0, help="seconds after the streams start (served)")
     p.add_argument("--label", default="served", help="what the server runs with (served)")
     p.add_argument("--stream-chars", type=int, default=1000, help="characters of each stream's prompt (served)")
+    p.add_argument("--summarize", default=None, help="comma-separated served results (--json) to put together")
     args = p.parse_args(argv)
+    if args.summarize:
+        combined = summarize([Path(f) for f in args.summarize.split(",")])
+        print(combined["table"])
+        if args.json:
+            write_json(combined, Path(args.json))
+        return combined
     if args.url:
         texts = held_out_texts(Path(args.prompts))
         scenario = (args.streams, args.stream_tokens, args.prompt_tokens, args.delay, args.stream_chars)

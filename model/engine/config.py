@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 MODES = ("domino", "dflash", "ngram", "ar")
 DRAFT_POLICIES = ("adaptive", "fixed")
+# The chunked-prefill budget "auto" takes where no start-up probe ran, by device type: on this
+# project's CPUs a 128-token chunk costs ~2 decode steps of 8 rows (bench.interference); a GPU's
+# forward of 512 tokens costs a few decode steps of a large batch.
+DEFAULT_TOKEN_BUDGET = {"cpu": 128, "cuda": 512}
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,10 @@ class EngineConfig:
     static_min_span: int = 512
     # Chunked prefill: tokens one step may forward, decoding rows first (each its verify width),
     # prompt chunks in what is left, at least max(1, budget // 4) a step. None: whole prompts, in
-    # steps of their own (and prefill_split_tokens groups them).
-    max_num_batched_tokens: int | None = None
+    # steps of their own (and prefill_split_tokens groups them). "auto": with probe_costs, the
+    # largest chunk this device forwards within CHUNK_STALL decode steps (model/engine/cost_probe.py),
+    # else DEFAULT_TOKEN_BUDGET for the device.
+    max_num_batched_tokens: int | str | None = None
     # Chunks ride in the decode step's verify forward (one pass through the weights a step) on the
     # dynamic path; False: a prefill forward of their own after it (the comparison's other side).
     fold_chunks: bool = True
@@ -66,7 +72,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if isinstance(self.kv_cache_memory, float) and self.kv_cache_memory > 1:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget != "auto" and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"max_num_batched_tokens must be 'auto' or >= 1, got {budget!r}")
         if self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")

@@ -89,3 +89,79 @@ def probe_step_costs(
             set_context(b, 0)
     probe.seconds = time.perf_counter() - start
     return probe
+
+
+# A step that carries a prompt chunk may cost up to this many decode steps more than decoding alone,
+# so that running streams wait at most ~(1 + CHUNK_STALL)x their usual gap while a prompt goes in.
+CHUNK_STALL = 2.0
+FIRST_CHUNK = 64  # the smallest chunk probed, and the budget if even it costs more
+
+
+@dataclass
+class ChunkProbe:
+    """The token budget chosen from one-row prompt chunks timed at start-up."""
+
+    budget: int
+    decode_seconds: float  # the decode step it was held against
+    decode_shape: tuple[int, int]  # that step's rows x tokens
+    chunk: dict[int, float] = field(default_factory=dict)  # tokens -> cheapest of the samples
+    fixed_seconds: float = 0.0  # what any forward pays, extrapolated to a chunk of 0 tokens
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        timed = ", ".join(f"{n} {1e3 * s:.0f}" for n, s in sorted(self.chunk.items()))
+        rows, width = self.decode_shape
+        return (
+            f"chunked prefill: {self.budget} tokens a step (prompt chunks timed in {self.seconds:.1f} s, ms: {timed}; "
+            f"the largest whose cost beyond the {1e3 * self.fixed_seconds:.0f} ms any forward pays is within "
+            f"{CHUNK_STALL:g}x a decode step of {rows} rows x {width} tokens, {1e3 * self.decode_seconds:.0f} ms)"
+        )
+
+    def within(self, n: int) -> bool:
+        """Chunk n, carried in a decode step's forward, adds at most CHUNK_STALL decode steps."""
+        return self.chunk[n] - self.fixed_seconds <= CHUNK_STALL * self.decode_seconds
+
+
+@torch.inference_mode()
+def probe_chunk_budget(
+    prefill: Callable[[torch.Tensor], object],
+    set_context: Callable[[int, int], None],
+    decode: tuple[int, int, float],
+    device: torch.device,
+    vocab_size: int,
+    most: int,
+    context: int = PROBE_CONTEXT,
+) -> ChunkProbe:
+    """The largest power-of-two chunk, from FIRST_CHUNK up to `most` tokens, that a decode step
+    (`decode`: rows, tokens, seconds, from the step-cost probe) can carry in its forward for at most
+    CHUNK_STALL x its own cost. A chunk's cost there is its one-row prefill forward
+    `prefill(tokens [1, n])` less what any forward pays (weights read, per-layer work: the line
+    through the 64- and 128-token chunks at 0 tokens), which the decode pays already. Doubling stops
+    at the first chunk over the line. `set_context` as for `probe_step_costs`."""
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(1)
+    rows, width, seconds = decode
+    probe = ChunkProbe(FIRST_CHUNK, seconds, (rows, width))
+
+    def measure(n: int) -> None:
+        tokens = torch.randint(vocab_size, (1, n), generator=gen).to(device)
+        probe.chunk[n] = min(timed(lambda: prefill(tokens), device, 2))
+
+    set_context(1, context)
+    try:
+        if 2 * FIRST_CHUNK <= most:
+            measure(FIRST_CHUNK)
+            measure(2 * FIRST_CHUNK)
+            probe.fixed_seconds = max(0.0, 2 * probe.chunk[FIRST_CHUNK] - probe.chunk[2 * FIRST_CHUNK])
+        n = FIRST_CHUNK
+        while n <= most:
+            if n not in probe.chunk:
+                measure(n)
+            if not probe.within(n):
+                break
+            probe.budget = n
+            n *= 2
+    finally:
+        set_context(1, 0)
+    probe.seconds = time.perf_counter() - start
+    return probe

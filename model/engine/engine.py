@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from model.engine.config import EngineConfig
-from model.engine.cost_probe import CostProbe
+from model.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
+from model.engine.cost_probe import ChunkProbe, CostProbe
 from model.engine.costs import TRUSTED_SAMPLES, NgramAcceptance, prior_curve_for
 from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
@@ -119,7 +119,8 @@ class Engine:
         self.rows: list[Row] = []  # decoding row i lives in cache slot i
         # Chunked prefill (EngineConfig.max_num_batched_tokens): admitted rows whose prompt is not
         # all in the caches yet, oldest first, in the slots after the decoding rows'.
-        self.token_budget = cfg.max_num_batched_tokens if not self.runner.capture else None
+        self.chunk_probe: ChunkProbe | None = None
+        self.token_budget = self._token_budget() if not self.runner.capture else None
         self.prefilling: list[Row] = []
         self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
         self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
@@ -132,6 +133,33 @@ class Engine:
         self.kv_bytes_read = 0  # keys/values its steps' attention read (model/nn/attention.py: KV_READS)
         self._seed_source = torch.Generator().manual_seed(torch.seed() % (2**63))
         self.last_timing: StepTiming | None = None
+
+    def _token_budget(self) -> int | None:
+        """The chunked-prefill budget: as configured, or for "auto" the largest chunk a decode step
+        of the largest batch carries for at most CHUNK_STALL x its own cost (model/engine/cost_probe.py;
+        timed now when costs are probed: the step at the middle verify width, one token in `ar`),
+        else the device's default."""
+        budget = self.config.max_num_batched_tokens
+        if budget != "auto":
+            assert budget is None or isinstance(budget, int)
+            return budget
+        if not self.config.probe_costs:
+            return DEFAULT_TOKEN_BUDGET.get(self.device.type, DEFAULT_TOKEN_BUDGET["cuda"])
+        b = self.max_batch_size
+        costs = self.cost_probe or self.runner.probe_costs([b], [1], TRUSTED_SAMPLES)
+        widths = sorted(t for batch, t in costs.verify if batch == b)
+        t = widths[len(widths) // 2]  # a typical drafting step: 2 drafts of up to 8, say
+        self.chunk_probe = self.runner.probe_chunk_budget((b, t, min(costs.verify[(b, t)])))
+        return self.chunk_probe.budget
+
+    def chunking_summary(self) -> str:
+        """The start-up log's line on chunked prefill: the budget and where it came from."""
+        if self.token_budget is None:
+            return "chunked prefill: off (whole prompts, each admission a step of its own)"
+        if self.chunk_probe is not None:
+            return self.chunk_probe.summary()
+        source = "default for this device" if self.config.max_num_batched_tokens == "auto" else "as set"
+        return f"chunked prefill: {self.token_budget} tokens a step ({source})"
 
     # -- public API ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -266,7 +294,8 @@ class Engine:
             taken, batch, result, t0 = folded
             outputs.extend(self._after_chunks(taken, result, t0))
         elif self.prefilling:
-            outputs.extend(self._prefill_chunks(self._chunk_budget(decoded)))
+            # A step with no decoding rows has no stream to stall: its prompts go in whole.
+            outputs.extend(self._prefill_chunks(self._chunk_budget(decoded) if decoded else None))
         return outputs
 
     def _chunk_budget(self, decoded: int) -> int:
@@ -275,12 +304,14 @@ class Engine:
         assert self.token_budget is not None
         return max(self.token_budget - decoded, max(1, self.token_budget // 4))
 
-    def _take_chunks(self, budget: int) -> list[tuple[Row, int]]:
-        """The prefilling rows' next chunks within `budget`, oldest first: a row gets tokens only
-        once every older one is done, so all but the last row taken finish. A prompt scored for its
-        logprobs is taken whole and alone (padding beside other rows would move its scores in the
-        last bits)."""
+    def _take_chunks(self, budget: int | None) -> list[tuple[Row, int]]:
+        """The prefilling rows' next chunks within `budget` (None: the rest of every prompt), oldest
+        first: a row gets tokens only once every older one is done, so all but the last row taken
+        finish. A prompt scored for its logprobs is taken whole and alone (padding beside other rows
+        would move its scores in the last bits)."""
         taken: list[tuple[Row, int]] = []
+        if budget is None:
+            budget = sum(cached_tokens(row) - row.prefilled for row in self.prefilling)
         for row in self.prefilling:
             if budget <= 0:
                 break
@@ -322,8 +353,8 @@ class Engine:
         for j, row in enumerate(self.prefilling):
             self.runner.seat(row, len(self.rows) + j)
 
-    def _prefill_chunks(self, budget: int) -> list[RequestOutput]:
-        """Forward up to `budget` prompt tokens of the prefilling rows (`_take_chunks`) in one
+    def _prefill_chunks(self, budget: int | None) -> list[RequestOutput]:
+        """Forward up to `budget` prompt tokens (None: all) of the prefilling rows (`_take_chunks`) in one
         prefill (forwards grouped as `prefill_split_tokens` says, like whole prompts); the rows
         whose prompt is in join the decoding rows in the slots they hold. If the prefill fails,
         each row's chunk is retried alone, so a bad one fails alone."""

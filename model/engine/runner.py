@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from model.engine.config import EngineConfig
-from model.engine.cost_probe import PROBE_CONTEXT, CostProbe, probe_step_costs
+from model.engine.cost_probe import PROBE_CONTEXT, ChunkProbe, CostProbe, probe_chunk_budget, probe_step_costs
 from model.engine.prefill import Prefiller
 from model.engine.proposers import DrafterProposer
 from model.engine.row import Row
@@ -213,6 +213,25 @@ class ModelRunner:
             self.target.vocab_size,
             min(PROBE_CONTEXT, self.cache.capacity - self.lookahead),  # room for any step after it
         )
+
+    def probe_chunk_budget(self, decode: tuple[int, int, float]) -> ChunkProbe:
+        """The chunked-prefill token budget this device affords (model/engine/cost_probe.py:
+        `probe_chunk_budget`), from one-row prefill forwards over slot 0, before any row is admitted."""
+
+        def prefill(tokens: torch.Tensor) -> object:
+            at = torch.tensor([tokens.shape[1] - 1], device=self.device)
+            return self.target.forward(
+                self.cache, 0, tokens, logits_at=at, want_features=self.want_features, taps=self.taps
+            )
+
+        def set_context(rows: int, positions: int) -> None:
+            self.cache.set_lengths(0, [positions] * rows)
+
+        context = min(PROBE_CONTEXT, self.cache.capacity // 2)
+        return probe_chunk_budget(
+            prefill, set_context, decode, self.device, self.target.vocab_size,
+            most=self.cache.capacity - self.lookahead - context, context=context,
+        )  # fmt: skip
 
     def kv_summary(self) -> str:
         """The start-up line's account of KV memory."""

@@ -644,7 +644,10 @@ def test_metrics_counters_move_by_the_expected_amounts(server: ServerProcess, cl
     assert delta("domino_spec_decode_drafts_per_step_count") == drafts
     assert delta("domino_spec_decode_drafts_per_step_sum") == sum(s["num_draft_tokens"] for s in spec)
     # The policy started from this machine's step costs, measured before serving (DOMINO_PROBE_COSTS).
-    assert re.search(r"step costs measured in [\d.]+ s \(ms; verify batch x T: 1x1 ", server.log_path.read_text())
+    log_text = server.log_path.read_text()
+    assert re.search(r"step costs measured in [\d.]+ s \(ms; verify batch x T: 1x1 ", log_text)
+    # Chunked prefill is on by default, its budget timed at start-up (DOMINO_MAX_NUM_BATCHED_TOKENS unset).
+    assert re.search(r"chunked prefill: \d+ tokens a step \(prompt chunks timed in [\d.]+ s, ms: 64 ", log_text)
     # Every family carries model_name and the documented names exist.
     names = {n for n, _ in after}
     for required in (

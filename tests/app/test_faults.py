@@ -160,23 +160,24 @@ def test_mixed_failures_and_successes_keep_the_worker(tiny_target_dir: Path, tin
 STICKY_SERVER = """
 import sys
 import model.engine.engine as me
+import model.engine.prefill as mp
 
 state = {"broken": False}
-real_prefill, real_decode = me.Engine._prefill, me.Engine._decode
+real_prefill, real_decode = mp.Prefiller.run, me.Engine._decode
 
-def prefill(self, rows):
+def prefill(self, rows, *args, **kwargs):
     if any(r.prompt_ids == [7, 7, 7] for r in rows):
         state["broken"] = True
     if state["broken"]:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    return real_prefill(self, rows)
+    return real_prefill(self, rows, *args, **kwargs)
 
 def decode(self, *args, **kwargs):
     if state["broken"]:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     return real_decode(self, *args, **kwargs)
 
-me.Engine._prefill, me.Engine._decode = prefill, decode
+mp.Prefiller.run, me.Engine._decode = prefill, decode
 from app.main import main
 main(sys.argv[1:])
 """

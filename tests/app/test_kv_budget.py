@@ -3,6 +3,7 @@ that outgrow it, rows preempted and recomputed, and every answer the one the req
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 
@@ -36,19 +37,30 @@ def test_concurrent_requests_through_preemption_answer_as_alone(server_factory: 
 
 
 def test_chunked_prefill_served_answers_as_alone(server_factory: Callable[..., ServerProcess]) -> None:
-    """DOMINO_MAX_NUM_BATCHED_TOKENS=16: a long prompt goes in by chunks while shorter requests
-    decode; one batched request of four prompts answers each as the prompt does alone."""
+    """DOMINO_MAX_NUM_BATCHED_TOKENS=16: three short prompts decode (one streamed request) when a
+    long prompt arrives; it goes in by chunks beside them, and each answers as the prompt does alone."""
     srv = server_factory(max_model_len=256, max_batch_size=4, max_num_batched_tokens=16)
-    prompts = [[4 + i, 5, 6 + 2 * i, 7] for i in range(3)] + [[(3 * k) % 90 + 5 for k in range(120)]]
+    short = [[4 + i, 5, 6 + 2 * i, 7] for i in range(3)]
+    long_prompt = [(3 * k) % 90 + 5 for k in range(120)]
+    body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
 
     def complete(prompt: list[int] | list[list[int]]) -> list[str]:
-        body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
         with httpx.Client(base_url=srv.url, timeout=120) as c:
-            r = c.post("/v1/completions", json=body)
+            r = c.post("/v1/completions", json={"prompt": prompt, **body})
         assert r.status_code == 200, r.text
         return [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
 
-    together = complete(prompts)
+    texts = ["", "", ""]
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": short, "stream": True, **body}) as r:
+            long_answer: list[str] = []
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                texts[choice["index"]] += choice["text"]
+                if not long_answer:  # the short ones decode now: the long prompt arrives
+                    long_answer = complete(long_prompt)
     samples = scrape_metrics(srv.url)
     assert metric(samples, "domino_prefill_chunks_total") >= 120 // 16
     # Every step that prefilled forwarded at most the budget, and all of the prompts went in.
@@ -56,4 +68,5 @@ def test_chunked_prefill_served_answers_as_alone(server_factory: Callable[..., S
     assert steps >= 120 // 16
     assert metric(samples, "domino_prefill_tokens_per_step_bucket", le="16.0") == steps
     assert metric(samples, "domino_prefill_tokens_per_step_sum") == 3 * 4 + 120
-    assert [complete(p)[0] for p in prompts] == together
+    assert [complete(p)[0] for p in short] == texts
+    assert complete(long_prompt) == long_answer

@@ -45,10 +45,12 @@ def test_kv_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_chunked_prefill_setting_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert engine_config(Settings()).max_num_batched_tokens is None  # unchunked unless asked
+    assert engine_config(Settings()).max_num_batched_tokens == "auto"  # chosen at start-up unless set
     monkeypatch.setenv("DOMINO_MAX_NUM_BATCHED_TOKENS", "256")
     assert engine_config(Settings()).max_num_batched_tokens == 256
     monkeypatch.setenv("DOMINO_MAX_NUM_BATCHED_TOKENS", "0")
+    assert engine_config(Settings()).max_num_batched_tokens is None  # off: whole prompts
+    monkeypatch.setenv("DOMINO_MAX_NUM_BATCHED_TOKENS", "-1")
     with pytest.raises(ValidationError, match="max_num_batched_tokens"):
         Settings()
 

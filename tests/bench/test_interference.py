@@ -3,6 +3,7 @@ several chunks and the streams keep emitting while it does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bench.interference import main
@@ -16,10 +17,23 @@ def test_interference_runs_whole_and_chunked(tiny_target_dir: Path) -> None:
     assert chunked["ttft_long_s"] > 0 and whole["median_gap_before_ms"] > 0
 
 
-def test_served_scenario_measures_stream_gaps_around_the_long_prompt(server_factory) -> None:  # noqa: ANN001
+def test_served_scenario_measures_stream_gaps_around_the_long_prompt(server_factory, tmp_path: Path) -> None:  # noqa: ANN001
     srv = server_factory(max_batch_size=3, max_num_batched_tokens=16)
-    argv = ["--url", srv.url, "--streams", "2", "--stream-tokens", "40", "--prompt-tokens", "200", "--delay", "0.3"]
-    result = main([*argv, "--reps", "1", "--label", "chunked16", "--stream-chars", "200"])
-    (run,) = result["runs"]
-    assert run["gaps_during"] >= 1 and run["median_gap_outside_ms"] > 0 and run["ttft_long_s"] > 0
-    assert result["median_over_reps"]["p99_over_median"] == run["p99_over_median"]
+    # Streams long enough to outlast the delay and the long prompt's prefill on any machine.
+    argv = ["--url", srv.url, "--streams", "2", "--stream-tokens", "300", "--prompt-tokens", "200", "--delay", "0.3"]
+    files = []
+    for label in ["chunked16", "again"]:
+        files.append(tmp_path / f"{label}.json")
+        result = main([*argv, "--reps", "1", "--label", label, "--stream-chars", "100", "--json", str(files[-1])])
+        (run,) = result["runs"]
+        assert run["gaps_during"] >= 1 and run["median_gap_outside_ms"] > 0 and run["ttft_long_s"] > 0
+        assert result["median_over_reps"]["p99_over_median"] == run["p99_over_median"]
+    combined = main(["--summarize", ",".join(map(str, files + files[:1]))])
+    assert [len(combined["runs"][label]) for label in ("chunked16", "again")] == [2, 1]
+    assert combined["median_over_reps"]["chunked16"]["p99_over_median"] == run_of(files[0])["p99_over_median"]
+    assert "| again | 1 |" in combined["table"]
+
+
+def run_of(path: Path) -> dict:
+    (run,) = json.loads(path.read_text())["runs"]
+    return run

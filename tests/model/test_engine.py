@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from model.engine.config import DEFAULT_TOKEN_BUDGET
+from model.engine.cost_probe import CHUNK_STALL, FIRST_CHUNK
 from model.engine.engine import Engine, SamplingParams
 from model.engine.proposers import Proposal
 from model.engine.requests import ContextLengthError
@@ -581,20 +583,35 @@ def test_shared_prefix_blocks_are_never_written() -> None:
 def test_chunked_prefill_matches_hf_generate(target_and_refs, mode: str, batch: int, policy: str, fold: bool) -> None:
     """Prompt chunks of at most 7 tokens, sharing steps with decoding rows (8 requests through
     `batch` rows: rows join and leave), carried in the verify forward or in one of their own:
-    every output is still HF greedy's."""
+    every output is still HF greedy's. The first request starts alone; the others arrive while it
+    decodes. A step with no decoding row takes its prompts whole (at batch 1 every step is such)."""
     model, prompts, budgets, refs = target_and_refs
     engine = _engine(model, mode, batch, draft_policy=policy, max_num_batched_tokens=7, fold_chunks=fold)
-    results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
-    assert [tokens for tokens, _, _ in results] == refs
+    engine.add_request("0", prompts[0], SamplingParams(max_new_tokens=budgets[0]))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    chunked = []  # prompt tokens of each step that also decoded
+    while engine.has_unfinished():
+        decoding = bool(engine.rows)
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        if decoding:
+            chunked.append(engine.last_prefill_tokens)
+        if len(chunked) == 1:
+            for i in range(1, len(prompts)):
+                engine.add_request(str(i), prompts[i], SamplingParams(max_new_tokens=budgets[i]))
+    assert [tokens[str(i)] for i in range(len(prompts))] == refs
     assert not engine.prefilling and not engine.rows
-    assert engine.num_prefill_chunks >= sum(-(-len(p) // 7) for p in prompts)  # none longer than 7
+    assert max(chunked) <= 7
+    if batch > 1:  # prompts went in by chunks beside decoding rows
+        assert sum(chunked) >= sum(len(p) for p in prompts[1:batch])
 
 
-@pytest.mark.parametrize("fail", ["packed-forward-1", "append-2", "append-3", "append-5"])
+@pytest.mark.parametrize("fail", ["packed-forward-1", "append-1", "append-2", "append-3"])
 def test_a_failure_in_a_step_carrying_chunks_is_retried_and_output_unchanged(fail: str) -> None:
     """A step whose verify forward carries prompt chunks fails once: in the forward itself, or in
-    the drafter's append (the n-th call: a chunk's prefill or a decode's). The decode is retried row
-    by row and the chunks go alone; no request fails and every output is HF greedy's."""
+    the drafter's append (the n-th call once the long prompt arrived: 1 and 3 a chunk's, 2 a
+    decode's). The decode is retried row by row and the chunks go alone; no request fails and every
+    output is HF greedy's."""
     model = tiny_target()
     prompts = [*_prompts(2), (_prompts(10)[6] * 2)[:40]]
     budgets = [16, 12, 6]
@@ -616,10 +633,13 @@ def test_a_failure_in_a_step_carrying_chunks_is_retried_and_output_unchanged(fai
             raise RuntimeError(f"{name} failed")
         return real(*args, **kwargs)
 
-    setattr(owner, name, flaky)
-    for i, (p, b) in enumerate(zip(prompts, budgets)):
+    for i, (p, b) in enumerate(zip(prompts[:2], budgets)):
         engine.add_request(str(i), p, SamplingParams(max_new_tokens=b, ignore_eos=True))
     tokens: dict[str, list[int]] = {}
+    for out in engine.step():  # the first two go in whole (nothing decodes yet); the long one by chunks
+        tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.add_request("2", prompts[2], SamplingParams(max_new_tokens=budgets[2], ignore_eos=True))
+    setattr(owner, name, flaky)
     while engine.has_unfinished():
         for out in engine.step():
             assert out.finish_reason != "error", out.error
@@ -627,6 +647,33 @@ def test_a_failure_in_a_step_carrying_chunks_is_retried_and_output_unchanged(fai
         assert_lengths_mirrored(engine)
     assert failed == 1
     assert [tokens[str(i)] for i in range(3)] == refs
+
+
+def test_auto_token_budget_is_the_largest_chunk_within_two_decode_steps() -> None:
+    """max_num_batched_tokens="auto": with costs probed, one-row chunks are timed from 64 tokens,
+    doubling, and the budget is the largest whose cost beyond a forward's fixed cost is at most
+    CHUNK_STALL x a decode step of the largest batch; without a probe it is the device's default."""
+    model = tiny_target()
+    assert _engine(model, "domino", 3, max_num_batched_tokens="auto").token_budget == DEFAULT_TOKEN_BUDGET["cpu"]
+    for mode in ("domino", "ar"):
+        drafter = tiny_drafter(domino=True) if mode != "ar" else None
+        engine = Engine(
+            TargetModel(model), drafter, mode=mode, max_batch_size=3, max_model_len=1024,
+            max_num_batched_tokens="auto", probe_costs=True,
+        )  # fmt: skip
+        probe = engine.chunk_probe
+        assert probe is not None and engine.token_budget == probe.budget
+        sizes = sorted(probe.chunk)
+        assert sizes[0] == FIRST_CHUNK and all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
+        assert probe.fixed_seconds == max(0.0, 2 * probe.chunk[64] - probe.chunk[128])
+        within = [n for n in sizes if probe.chunk[n] - probe.fixed_seconds <= CHUNK_STALL * probe.decode_seconds]
+        assert within == sizes[: len(within)]  # doubling stopped at the first chunk over the line
+        assert probe.budget == (within[-1] if within else FIRST_CHUNK)
+        assert len(within) == len(sizes) or sizes[-1] not in within
+        assert f"chunked prefill: {probe.budget} tokens a step" in engine.chunking_summary()
+    assert "off" in _engine(model, "ar", 3).chunking_summary()
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        _engine(model, "ar", 3, max_num_batched_tokens="large")
 
 
 def test_decoding_rows_emit_every_step_while_a_long_prompt_prefills() -> None:
