@@ -130,7 +130,7 @@ class Settings(BaseSettings):
         description="chunked prefill: tokens one engine step may forward, decoding requests first (each its "
         "verify width), prompt chunks in what is left (at least a quarter of it a step), so that a long "
         "prompt shares steps with running streams; unset: chosen at start-up, the largest chunk a decode step of "
-        "DOMINO_MAX_BATCH_SIZE rows carries for at most twice its own time (timed with DOMINO_PROBE_COSTS, else "
+        "DOMINO_MAX_BATCH_SIZE rows carries for at most 1.5x its own time (timed with DOMINO_PROBE_COSTS, else "
         "128 on a CPU, 512 on a GPU); 0: off, whole prompts, each admission a step of its own",
     )
     prefix_cache_tokens: int = Field(

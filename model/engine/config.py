@@ -8,7 +8,7 @@ from dataclasses import dataclass
 MODES = ("domino", "dflash", "ngram", "ar")
 DRAFT_POLICIES = ("adaptive", "fixed")
 # The chunked-prefill budget "auto" takes where no start-up probe ran, by device type: on this
-# project's CPUs a 128-token chunk costs ~2 decode steps of 8 rows (bench.interference); a GPU's
+# project's CPUs a 128-token chunk costs ~2 decode steps of 8 rows (docs/benchmarks.md); a GPU's
 # forward of 512 tokens costs a few decode steps of a large batch.
 DEFAULT_TOKEN_BUDGET = {"cpu": 128, "cuda": 512}
 

@@ -93,7 +93,7 @@ def probe_step_costs(
 
 # A step that carries a prompt chunk may cost up to this many decode steps more than decoding alone,
 # so that running streams wait at most ~(1 + CHUNK_STALL)x their usual gap while a prompt goes in.
-CHUNK_STALL = 2.0
+CHUNK_STALL = 1.5
 FIRST_CHUNK = 64  # the smallest chunk probed, and the budget if even it costs more
 
 
@@ -106,6 +106,12 @@ class ChunkProbe:
     decode_shape: tuple[int, int]  # that step's rows x tokens
     chunk: dict[int, float] = field(default_factory=dict)  # tokens -> cheapest of the samples
     fixed_seconds: float = 0.0  # what any forward pays, extrapolated to a chunk of 0 tokens
+    context: int = PROBE_CONTEXT  # positions before each probed chunk
+    # The cost of a prompt token grows with the positions before it (its attention): FIRST_CHUNK
+    # tokens timed after `far` positions too give the growth per position, relative to a token's
+    # cost after `context` (0: not measured, chunks sized by tokens alone).
+    far: int = 0
+    growth: float = 0.0
     seconds: float = 0.0
 
     def summary(self) -> str:
@@ -114,8 +120,37 @@ class ChunkProbe:
         return (
             f"chunked prefill: {self.budget} tokens a step (prompt chunks timed in {self.seconds:.1f} s, ms: {timed}; "
             f"the largest whose cost beyond the {1e3 * self.fixed_seconds:.0f} ms any forward pays is within "
-            f"{CHUNK_STALL:g}x a decode step of {rows} rows x {width} tokens, {1e3 * self.decode_seconds:.0f} ms)"
+            f"{CHUNK_STALL:g}x a decode step of {rows} rows x {width} tokens, {1e3 * self.decode_seconds:.0f} ms; "
+            f"a token after {self.far} positions costs {1 + self.growth * (self.far - self.context):.2f}x one after "
+            f"{self.context}, and chunks late in a long prompt are that much shorter)"
         )
+
+    def cost(self, n: int, prefix: int) -> float:
+        """What n prompt tokens after `prefix` positions cost, in tokens after the probe's context
+        (what the budget counts): a chunk late in a long prompt attends over more, and costs more."""
+        return n * (1.0 + self.growth * max(0.0, prefix + n / 2 - self.context))
+
+    def tokens_within(self, budget: float, prefix: int) -> int:
+        """The most tokens after `prefix` positions that `cost` puts within `budget` (at least 1)."""
+        lo, hi = 1, max(1, int(budget))  # cost grows with n: the largest n in [lo, hi] that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost(mid, prefix) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def token_seconds(self) -> float:
+        """What one more prompt token after the probe's context costs (the 64-128 line's slope)."""
+        return max(1e-9, (self.chunk[2 * FIRST_CHUNK] - self.chunk[FIRST_CHUNK]) / FIRST_CHUNK)
+
+    def tokens_in(self, seconds: float) -> int:
+        """Prompt tokens (counted as `cost` counts them) that `seconds` of a forward pay for."""
+        if 2 * FIRST_CHUNK not in self.chunk:
+            return self.budget
+        return int(seconds / self.token_seconds)
 
     def within(self, n: int) -> bool:
         """Chunk n, carried in a decode step's forward, adds at most CHUNK_STALL decode steps."""
@@ -129,7 +164,7 @@ def probe_chunk_budget(
     decode: tuple[int, int, float],
     device: torch.device,
     vocab_size: int,
-    most: int,
+    room: int,
     context: int = PROBE_CONTEXT,
 ) -> ChunkProbe:
     """The largest power-of-two chunk, from FIRST_CHUNK up to `most` tokens, that a decode step
@@ -137,26 +172,46 @@ def probe_chunk_budget(
     CHUNK_STALL x its own cost. A chunk's cost there is its one-row prefill forward
     `prefill(tokens [1, n])` less what any forward pays (weights read, per-layer work: the line
     through the 64- and 128-token chunks at 0 tokens), which the decode pays already. Doubling stops
-    at the first chunk over the line. `set_context` as for `probe_step_costs`."""
+    at the first chunk over the line; chunks go up to `room` positions (context included). Then
+    FIRST_CHUNK tokens after 4x the context (where `room` allows) give a token's cost growth per
+    position before it (`ChunkProbe.cost`). `set_context` as for `probe_step_costs`."""
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(1)
     rows, width, seconds = decode
-    probe = ChunkProbe(FIRST_CHUNK, seconds, (rows, width))
+    probe = ChunkProbe(FIRST_CHUNK, seconds, (rows, width), context=context)
+    most = room - context
 
-    def measure(n: int) -> None:
+    def measure(n: int) -> float:
         tokens = torch.randint(vocab_size, (1, n), generator=gen).to(device)
-        probe.chunk[n] = min(timed(lambda: prefill(tokens), device, 2))
+        return min(timed(lambda: prefill(tokens), device, 2))
 
+    def measure_chunk(n: int) -> None:
+        probe.chunk[n] = measure(n)
+
+    far = min(4 * context, room - FIRST_CHUNK)
+    if far >= 2 * context:
+        set_context(1, far)
+        try:
+            late = measure(FIRST_CHUNK)
+        finally:
+            set_context(1, 0)
     set_context(1, context)
     try:
         if 2 * FIRST_CHUNK <= most:
-            measure(FIRST_CHUNK)
-            measure(2 * FIRST_CHUNK)
+            measure_chunk(FIRST_CHUNK)
+            measure_chunk(2 * FIRST_CHUNK)
             probe.fixed_seconds = max(0.0, 2 * probe.chunk[FIRST_CHUNK] - probe.chunk[2 * FIRST_CHUNK])
+            if far >= 2 * context:
+                # Per token: (late - near) / FIRST_CHUNK over (far - context) positions, relative
+                # to a token's own cost after `context` (the 64-128 line's slope).
+                per_token = (probe.chunk[2 * FIRST_CHUNK] - probe.chunk[FIRST_CHUNK]) / FIRST_CHUNK
+                extra = (late - probe.chunk[FIRST_CHUNK]) / FIRST_CHUNK
+                if per_token > 0:
+                    probe.far, probe.growth = far, max(0.0, extra / per_token / (far - context))
         n = FIRST_CHUNK
         while n <= most:
             if n not in probe.chunk:
-                measure(n)
+                measure_chunk(n)
             if not probe.within(n):
                 break
             probe.budget = n

@@ -3,7 +3,9 @@
 One `Engine` owns a target, an optional drafter and their per-row caches. `step()` either admits
 waiting requests (one batched prefill) or advances every running row by one speculative step:
 draft a block per row, verify all rows in one target forward, commit a different number of tokens
-per row and roll the rest back by not advancing that row's cache length.
+per row and roll the rest back by not advancing that row's cache length. With a token budget
+(`max_num_batched_tokens`, chunked prefill; the server's default) a step does both: the decoding
+rows' step, with prompt chunks in the same verify forward.
 
 Modes: `domino` (Domino head on), `dflash` (head off: base logits only), `ngram` (only prompt-lookup
 copies from each row's own context, no drafter), `ar` (no drafts: plain batched autoregressive
@@ -13,15 +15,16 @@ per row and step the policy verifies whichever proposal it expects to pay more (
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from model.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
-from model.engine.cost_probe import ChunkProbe, CostProbe
+from model.engine.cost_probe import CHUNK_STALL, ChunkProbe, CostProbe
 from model.engine.costs import TRUSTED_SAMPLES, NgramAcceptance, prior_curve_for
 from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
@@ -46,11 +49,16 @@ from model.nn.target import TargetModel, TargetOutput
 @dataclass
 class FoldedChunks:
     """Prompt chunks a decode step carries in its verify forward (chunked prefill): the rows and
-    their chunk sizes, the prefill planned for them, and their generators' states before it."""
+    their chunk sizes, the prefill planned for them, their generators' states before it, and once
+    the forward ran, their part of its output and their first tokens on the device (read back with
+    the step's results)."""
 
     taken: list[tuple[Row, int]]
     batch: PrefillBatch
     states: list[dict[str, Any]]
+    outputs: list[TargetOutput] = field(default_factory=list)
+    first: torch.Tensor | None = None
+    t0: float = 0.0
 
 
 class Engine:
@@ -280,80 +288,109 @@ class Engine:
             for row in new:  # its slot holds its blocks and shared positions from now on
                 self.runner.seat(row, len(self.rows) + len(self.prefilling))
                 self.prefilling.append(row)
-        decoded = 0
+        decoded: tuple[int, int] | None = None  # the decode's rows x tokens, if any
         self.last_timing = None  # this step's: the decode's, else the prefill's
         self._folded = None
         if self.rows:
-            decoded = len(self.rows) * (self.max_drafts_per_step + 1)  # a bound, if the step fails
+            decoded = (len(self.rows), self.max_drafts_per_step + 1)  # a bound, if the step fails
             fold = self.prefilling and self.static is None and self.config.fold_chunks
             self._decode_running(outputs, self._fold_chunks if fold else None)
             if self.last_timing is not None and self.last_timing.kind == "decode":
-                decoded = self.last_timing.batch_size * (self.last_timing.num_drafts + 1)
+                decoded = (self.last_timing.batch_size, self.last_timing.num_drafts + 1)
         folded, self._folded = self._folded, None
         if folded is not None:
             taken, batch, result, t0 = folded
             outputs.extend(self._after_chunks(taken, result, t0))
         elif self.prefilling:
             # A step with no decoding rows has no stream to stall: its prompts go in whole.
-            outputs.extend(self._prefill_chunks(self._chunk_budget(decoded) if decoded else None))
+            outputs.extend(self._prefill_chunks(self._chunk_budget(*decoded) if decoded else None))
         return outputs
 
-    def _chunk_budget(self, decoded: int) -> int:
-        """Prompt tokens a step that decodes `decoded` tokens may forward: what is left of the
-        budget, and at least a quarter of it, so that a prompt never starves behind decoding."""
+    def _chunk_budget(self, rows: int, width: int) -> float:
+        """Prompt tokens a step that decodes `rows` x `width` tokens may forward: what is left of
+        the budget, and at least a quarter of it, so that a prompt never starves behind decoding.
+        With the budget measured ("auto"), also no more than the chunk the cost model puts within
+        CHUNK_STALL x this decode step (model/engine/cost_probe.py), so the streams' gap grows alike
+        with 1 row decoding or 16."""
         assert self.token_budget is not None
-        return max(self.token_budget - decoded, max(1, self.token_budget // 4))
+        least = max(1, self.token_budget // 4)
+        left = max(self.token_budget - rows * width, least)
+        if self.chunk_probe is not None:
+            step_s = self.policy.costs.verify(rows, width)
+            left = min(left, max(least, self.chunk_probe.tokens_in(CHUNK_STALL * step_s)))
+        return left
 
-    def _take_chunks(self, budget: int | None) -> list[tuple[Row, int]]:
+    def _take_chunks(self, budget: float | None) -> list[tuple[Row, int]]:
         """The prefilling rows' next chunks within `budget` (None: the rest of every prompt), oldest
         first: a row gets tokens only once every older one is done, so all but the last row taken
-        finish. A prompt scored for its logprobs is taken whole and alone (padding beside other rows
-        would move its scores in the last bits)."""
+        finish. With the budget measured ("auto"), a token counts what it costs after the positions
+        before it (`ChunkProbe.cost`), so that chunks late in a long prompt are shorter. A prompt
+        scored for its logprobs is taken whole and alone (padding beside other rows would move its
+        scores in the last bits)."""
         taken: list[tuple[Row, int]] = []
-        if budget is None:
-            budget = sum(cached_tokens(row) - row.prefilled for row in self.prefilling)
+        probe = self.chunk_probe if self.chunk_probe is not None and self.chunk_probe.growth > 0 else None
+        left: float = budget if budget is not None else math.inf
         for row in self.prefilling:
-            if budget <= 0:
+            if left <= 0:
                 break
             remaining = cached_tokens(row) - row.prefilled
             scored = row.params.prompt_logprobs is not None and not row.output_ids
             if scored and taken:
                 break  # next step, alone
-            taken.append((row, remaining if scored else min(remaining, budget)))
-            budget -= taken[-1][1]
+            if scored or left == math.inf:
+                n = remaining
+            elif probe is not None:  # late in a long prompt a token costs more (its attention)
+                n = min(remaining, probe.tokens_within(left, row.prefilled))
+            else:
+                n = min(remaining, int(left))
+            taken.append((row, n))
+            left -= probe.cost(n, row.prefilled) if probe is not None else n
             if scored:
                 break
         return taken
 
-    def _fold_chunks(self, decoded: int) -> FoldedChunks | None:
-        """The chunks a decode step of `decoded` tokens carries in its verify forward, planned
+    def _fold_chunks(self, rows: int, width: int) -> FoldedChunks | None:
+        """The chunks a decode step of `rows` x `width` tokens carries in its verify forward, planned
         (model/engine/prefill.py: `Prefiller.plan`); None when they must go alone (a scored prompt)."""
-        taken = self._take_chunks(self._chunk_budget(decoded))
+        taken = self._take_chunks(self._chunk_budget(rows, width))
         if not taken or any(row.params.prompt_logprobs is not None and not row.output_ids for row, _ in taken):
             return None
         rows = [row for row, _ in taken]
         batch = self.runner.prefiller.plan(rows, len(self.rows), chunk=[n for _, n in taken])
         return FoldedChunks(taken, batch, [row.generator.bit_generator.state for row in rows])
 
-    def _finish_folded(self, fold: FoldedChunks, outs: list[TargetOutput], t0: float) -> None:
-        """The folded chunks' prefill completed from their part of the verify forward, before the
-        decode rows' caches move; if that fails, the rows are seated again and the chunks go in a
-        prefill of their own after the decode (`_chunked_step`)."""
+    def _pick_folded(self, chunks: FoldedChunks) -> bool:
+        """The folded chunks' first tokens chosen on the device, from their part of the verify
+        forward; False if that fails (the rows are seated again, their draws undone)."""
         try:
-            result = self.runner.prefiller.finish(fold.batch, outs)
+            chunks.first = self.runner.prefiller.pick_first(chunks.batch, chunks.outputs)
         except Exception:  # noqa: BLE001 - the chunks are retried alone, after the decode
-            for (row, _), state in zip(fold.taken, fold.states):
-                row.generator.bit_generator.state = state
-            self._reseat_prefilling()
+            self._undo_folded(chunks)
+            return False
+        return True
+
+    def _finish_folded(self, chunks: FoldedChunks, first_tokens: list[int]) -> None:
+        """The folded chunks' prefill completed with their first tokens (read with the step's
+        results), before the decode rows' caches move; if that fails, the chunks go in a prefill of
+        their own after the decode (`_chunked_step`)."""
+        try:
+            result = self.runner.prefiller.finish(chunks.batch, chunks.outputs, first_tokens=first_tokens)
+        except Exception:  # noqa: BLE001 - the chunks are retried alone, after the decode
+            self._undo_folded(chunks)
             return
-        self._folded = (fold.taken, fold.batch, result, t0)
+        self._folded = (chunks.taken, chunks.batch, result, chunks.t0)
+
+    def _undo_folded(self, chunks: FoldedChunks) -> None:
+        for (row, _), state in zip(chunks.taken, chunks.states):
+            row.generator.bit_generator.state = state
+        self._reseat_prefilling()
 
     def _reseat_prefilling(self) -> None:
         """Each prefilling row back in its slot after the decoding rows, with its length."""
         for j, row in enumerate(self.prefilling):
             self.runner.seat(row, len(self.rows) + j)
 
-    def _prefill_chunks(self, budget: int | None) -> list[RequestOutput]:
+    def _prefill_chunks(self, budget: float | None) -> list[RequestOutput]:
         """Forward up to `budget` prompt tokens (None: all) of the prefilling rows (`_take_chunks`) in one
         prefill (forwards grouped as `prefill_split_tokens` says, like whole prompts); the rows
         whose prompt is in join the decoding rows in the slots they hold. If the prefill fails,
@@ -432,7 +469,7 @@ class Engine:
             self.runner.move_row(base + j + 1, base + j)
 
     def _decode_running(
-        self, outputs: list[RequestOutput], fold: Callable[[int], FoldedChunks | None] | None = None
+        self, outputs: list[RequestOutput], fold: Callable[[int, int], FoldedChunks | None] | None = None
     ) -> None:
         """One decode step of every decoding row: first the blocks each grows into (preempting the
         newest when they run out), then the step, retried row by row if it fails (without `fold`:
@@ -527,10 +564,10 @@ class Engine:
         lo: int = 0,
         hi: int | None = None,
         finalize: bool = True,
-        fold: Callable[[int], FoldedChunks | None] | None = None,
+        fold: Callable[[int, int], FoldedChunks | None] | None = None,
     ) -> list[RequestOutput]:
         """One speculative step for rows lo..hi-1: choose -> draft -> verify -> accept -> emit.
-        `fold(tokens)`: prompt chunks planned for the verify forward to carry (chunked prefill)."""
+        `fold(rows, width)`: prompt chunks planned for the verify forward to carry (chunked prefill)."""
         step = self._begin_step(lo, len(self.rows) if hi is None else hi)
         timer = PhaseTimer(self.device)
         self._choose(step)
@@ -538,19 +575,19 @@ class Engine:
         self._draft(step, timer)
         step.drafts = assemble_drafts(step, chosen)
         r, k = step.drafts.tokens.shape
-        chunks = fold(r * (k + 1)) if fold is not None else None
-        t0 = time.perf_counter()
-        out, chunk_outs = self._verify(step, timer, chunks)
-        if chunks is not None:
-            self._finish_folded(chunks, chunk_outs, t0)
-        self._accept(step, out)
+        chunks = fold(r, k + 1) if fold is not None else None
+        carried = chunks is not None
+        out = self._verify(step, timer, chunks)
+        if chunks is not None and not self._pick_folded(chunks):
+            chunks = None  # they go in a prefill of their own after the decode
+        self._accept(step, out, chunks)
         # The results are on the host: the phases' marks are complete (model/engine/timing.py).
         draft_s = timer.seconds("draft") if step.draft is not None else 0.0
         verify_s = timer.seconds("verify")
         if step.draft is not None:
             a, b = step.draft_span
             self.policy.costs.observe_draft(b - a, draft_s)
-        if chunks is None:  # a forward that carried prompt chunks says nothing of a verify's cost
+        if not carried:  # a forward that carried prompt chunks says nothing of a verify's cost
             self.policy.costs.observe_verify(r, k + 1, verify_s)
         self.policy.observe(step)
         self.last_timing = StepTiming("decode", r, draft_s, verify_s, k)
@@ -597,33 +634,38 @@ class Engine:
         step.draft = draft
         self.draft_forwards += 1
 
-    def _verify(
-        self, step: DecodeStep, timer: PhaseTimer, chunks: FoldedChunks | None = None
-    ) -> tuple[TargetOutput, list[TargetOutput]]:
+    def _verify(self, step: DecodeStep, timer: PhaseTimer, chunks: FoldedChunks | None = None) -> TargetOutput:
         """One target forward over [anchor, drafts] per row, timed as the phase "verify"; with
-        `chunks`, their prefill groups go through the same forward (their outputs second)."""
+        `chunks`, their prefill groups go through the same forward (their outputs kept in `chunks`)."""
         assert step.drafts is not None
         tokens = torch.cat([step.anchors[:, None], step.drafts.tokens], dim=1)
         with timer.phase("verify"):
             if chunks is None:
-                return self.runner.verify(step.lo, tokens), []
-            out, *chunk_outs = self.runner.verify_packed(step.lo, tokens, chunks.batch.row_groups())
-            return out, chunk_outs
+                return self.runner.verify(step.lo, tokens)
+            chunks.t0 = time.perf_counter()
+            out, *chunks.outputs = self.runner.verify_packed(step.lo, tokens, chunks.batch.row_groups())
+            return out
 
-    def _accept(self, step: DecodeStep, out: TargetOutput) -> None:
+    def _accept(self, step: DecodeStep, out: TargetOutput, chunks: FoldedChunks | None = None) -> None:
         """The rejection sampler over the rows' processed scores; its results on the host (one
-        device->host copy) and the caches advanced by them."""
+        device->host copy, with the first tokens of folded chunks that finish a prompt) and the
+        caches advanced by them, the folded chunks' first."""
         assert step.drafts is not None
         scores = process_logits([row.processor for row in step.rows], out.logits, step.drafts.tokens)
         step.accepted, step.bonus = accepted, bonus = accept(scores, step, self.runner.draft_vocab_ids)
         confidence = step.draft.confidence if step.draft is not None else None
-        step.results = results = StepResults.read(accepted, bonus, step.drafts.counts, step.drafts.tokens, confidence)
+        first = chunks.first if chunks is not None else None
+        step.results = results = StepResults.read(
+            accepted, bonus, step.drafts.counts, step.drafts.tokens, confidence, first
+        )
         results.logprobs = [
             token_logprobs(out.logits[i], results.new_tokens[i], row.params.logprobs)
             if row.params.logprobs is not None
             else None
             for i, row in enumerate(step.rows)
         ]
+        if chunks is not None:
+            self._finish_folded(chunks, results.extra)
         self.runner.advance(step.lo, step.hi, out, accepted, results.accepted)
 
     def _emit(self, step: DecodeStep, out: TargetOutput) -> tuple[list[RequestOutput], list[int]]:

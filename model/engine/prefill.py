@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.engine.logits_processors import process_logits
@@ -21,6 +22,7 @@ from model.kv.draft_cache import DraftContextCache
 from model.kv.target_cache import RaggedKVCache
 from model.nn.drafter import Drafter
 from model.nn.target import RowGroup, TargetModel, TargetOutput
+from model.upload import upload
 
 
 def prefill_groups(lengths: list[int], split_tokens: int) -> list[tuple[int, int]]:
@@ -69,6 +71,12 @@ class PrefillBatch:
     resumed: set[int]  # id(row) of the preempted rows recomputed
     groups: list[tuple[int, int]]
     tokens: list[torch.Tensor]  # per group [b - a, longest], padded on the right, on the device
+    fresh_index: torch.Tensor  # `fresh`, on the device
+
+    @property
+    def fresh(self) -> list[int]:
+        """Indices of the rows new to the batch whose prompt is done: they get a first token."""
+        return [i for i, r in enumerate(self.rows) if id(r) not in self.resumed and id(r) in self.done]
 
     def row_groups(self) -> list[RowGroup]:
         """The groups for a packed forward (model/nn/target.py)."""
@@ -134,15 +142,20 @@ class Prefiller:
             if id(row) not in resumed:
                 row.stats.cached_prompt_tokens = row.shared_tokens
         groups = prefill_groups(lengths, self.split_tokens)
-        tokens = []
+        parts = []
         for a, b in groups:
-            part = torch.zeros(b - a, lengths[b - 1], dtype=torch.long)
+            part = np.zeros((b - a, lengths[b - 1]), dtype=np.int64)
             for i in range(a, b):
-                part[i - a, : lengths[i]] = torch.tensor(ids[id(new[i])][starts[i] : starts[i] + lengths[i]])
-            tokens.append(part.to(dev))
+                part[i - a, : lengths[i]] = ids[id(new[i])][starts[i] : starts[i] + lengths[i]]
+            parts.append(part)
         self.cache.set_lengths(lo, starts)
-        lens = torch.tensor(lengths, device=dev)
-        return PrefillBatch(new, lo, ids, starts, lengths, lens, done, resumed, groups, tokens)
+        fresh = [i for i, r in enumerate(new) if id(r) not in resumed and id(r) in done]
+        # The groups' tokens, the lengths and the rows that get a first token, in one non-blocking
+        # copy (model/upload.py).
+        *tokens, lens, fresh_index = upload(
+            [*parts, np.array(lengths, dtype=np.int64), np.array(fresh, dtype=np.int64)], dev
+        )
+        return PrefillBatch(new, lo, ids, starts, lengths, lens, done, resumed, groups, tokens, fresh_index)
 
     def forward(self, batch: PrefillBatch) -> tuple[list[TargetOutput], list[list[TokenLogprob] | None]]:
         """`run`'s second part: one target forward per group; (outputs, prompt logprobs per row)."""
@@ -169,39 +182,49 @@ class Prefiller:
             outputs.append(out)
         return outputs, scored_logprobs
 
+    def pick_first(self, batch: PrefillBatch, outputs: list[TargetOutput]) -> torch.Tensor | None:
+        """The first tokens, on the device, of the rows new to the batch whose prompt is done (in
+        their order in `batch.rows`), each drawn with the first of its uniforms; None when there
+        are none. A decode step carrying chunks reads them back with its own results (one copy)."""
+        fresh = batch.fresh
+        if not fresh:
+            return None
+        rows = [batch.rows[i] for i in fresh]
+        logits = torch.cat([out.logits[:, 0] for out in outputs])
+        sampling = SamplingBatch.of_params([r.params for r in rows], draw_uniforms(rows, 1), self.device)
+        fresh_logits = logits.index_select(0, batch.fresh_index)[:, None]
+        scores = process_logits([r.processor for r in rows], fresh_logits, None)[:, 0]
+        return pick_tokens(scores, sampling, slot=0)[0]
+
     def finish(
         self,
         batch: PrefillBatch,
         outputs: list[TargetOutput],
         scored_logprobs: list[list[TokenLogprob] | None] | None = None,
+        first_tokens: list[int] | None = None,
     ) -> PrefillResult:
         """`run`'s last part, from its groups' outputs (`forward`'s, or a packed forward's that
-        carried them beside a decode step): the first tokens, then the caches advanced."""
-        dev = self.device
-        new, lo, starts, lengths, lens, done, resumed = (
+        carried them beside a decode step, with `first_tokens` from `pick_first` read already):
+        the first tokens, then the caches advanced."""
+        new, lo, starts, lengths, lens, resumed = (
             batch.rows,
             batch.lo,
             batch.starts,
             batch.lengths,
             batch.lens,
-            batch.done,
             batch.resumed,
         )
         groups, features = batch.groups, [out.features for out in outputs]
+        if first_tokens is None:
+            picked = self.pick_first(batch, outputs)
+            first_tokens = picked.tolist() if picked is not None else []
         logits = torch.cat([out.logits[:, 0] for out in outputs])
-        # First tokens for the rows new to the batch whose prompt is done, with the first of each
-        # one's uniforms.
-        fresh = [i for i, r in enumerate(new) if id(r) not in resumed and id(r) in done]
         first: list[int | None] = [None] * len(new)
         first_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
-        if fresh:
-            rows = [new[i] for i in fresh]
-            sampling = SamplingBatch.of_params([r.params for r in rows], draw_uniforms(rows, 1), dev)
-            scores = process_logits([r.processor for r in rows], logits[fresh][:, None], None)[:, 0]
-            for i, tok in zip(fresh, pick_tokens(scores, sampling, slot=0)[0].tolist()):
-                first[i] = tok
-                if new[i].params.logprobs is not None:
-                    first_logprobs[i] = token_logprobs(logits[i : i + 1], [tok], new[i].params.logprobs)
+        for i, tok in zip(batch.fresh, first_tokens):
+            first[i] = tok
+            if new[i].params.logprobs is not None:  # a read of its own (the row asked for logprobs)
+                first_logprobs[i] = token_logprobs(logits[i : i + 1], [tok], new[i].params.logprobs)
         # All work is done: now advance the caches.
         self.cache.set_lengths(lo, [s + n for s, n in zip(starts, lengths)])
         if self.drafter is not None:
@@ -214,7 +237,7 @@ class Prefiller:
             row.prefilled += n
         if self.shared_prefixes is not None:
             for row in new:
-                if id(row) in done:
+                if id(row) in batch.done:
                     self.shared_prefixes.index_prefix(row.request_id, batch.ids[id(row)])
         captured: list[torch.Tensor | None] = [None] * len(new)
         if self.capture:

@@ -230,7 +230,7 @@ class ModelRunner:
         context = min(PROBE_CONTEXT, self.cache.capacity // 2)
         return probe_chunk_budget(
             prefill, set_context, decode, self.device, self.target.vocab_size,
-            most=self.cache.capacity - self.lookahead - context, context=context,
+            room=self.cache.capacity - self.lookahead, context=context,
         )  # fmt: skip
 
     def kv_summary(self) -> str:

@@ -98,6 +98,7 @@ class StepResults:
     new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     confidence: torch.Tensor | None = None  # [b - a, d] the drafter's confidences (float32), if it ran
+    extra: list[int] = field(default_factory=list)  # the first tokens of the prompt chunks it carried
 
     @classmethod
     def read(
@@ -107,17 +108,22 @@ class StepResults:
         counts: torch.Tensor,
         drafts: torch.Tensor,
         confidence: torch.Tensor | None,
+        extra: torch.Tensor | None = None,
     ) -> StepResults:
-        """The results on the host in one copy: accepted, bonus, counts [R], drafts [R, k] and the
-        drafter's confidences [R', d] (rows 0..R'-1 of the span it drafted). Ids travel as float64,
-        exact below 2**53, so that one tensor holds them all."""
+        """The results on the host in one copy: accepted, bonus, counts [R], drafts [R, k], the
+        drafter's confidences [R', d] (rows 0..R'-1 of the span it drafted) and `extra` ids [E]
+        (the first tokens of prompt chunks the step carried). Ids travel as float64, exact below
+        2**53, so that one tensor holds them all."""
         ints = torch.cat([accepted[:, None], bonus[:, None], counts[:, None], drafts], dim=1)
         parts = [ints.double()]
         if confidence is not None:
             padded = confidence.new_zeros(ints.shape[0], confidence.shape[1], dtype=torch.float64)
             padded[: confidence.shape[0]] = confidence
             parts.append(padded)
-        host = torch.cat(parts, dim=1).cpu()
+        matrix = torch.cat(parts, dim=1)
+        tail = extra.double() if extra is not None else matrix.new_zeros(0)
+        flat = torch.cat([matrix.flatten(), tail]).cpu()
+        host = flat[: matrix.numel()].view(matrix.shape)
         w = ints.shape[1]
         rows = host[:, :w].long().tolist()
         conf = host[: confidence.shape[0], w:].float() if confidence is not None else None
@@ -127,6 +133,7 @@ class StepResults:
             counts=[h[2] for h in rows],
             new_tokens=[h[3 : 3 + h[0]] + [h[1]] for h in rows],
             confidence=conf,
+            extra=flat[matrix.numel() :].long().tolist(),
         )
 
 

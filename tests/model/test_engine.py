@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.engine.config import DEFAULT_TOKEN_BUDGET
-from model.engine.cost_probe import CHUNK_STALL, FIRST_CHUNK
+from model.engine.cost_probe import CHUNK_STALL, FIRST_CHUNK, ChunkProbe
 from model.engine.engine import Engine, SamplingParams
 from model.engine.proposers import Proposal
 from model.engine.requests import ContextLengthError
@@ -671,9 +671,26 @@ def test_auto_token_budget_is_the_largest_chunk_within_two_decode_steps() -> Non
         assert probe.budget == (within[-1] if within else FIRST_CHUNK)
         assert len(within) == len(sizes) or sizes[-1] not in within
         assert f"chunked prefill: {probe.budget} tokens a step" in engine.chunking_summary()
+        assert probe.far == min(4 * probe.context, 1024 - 64) and probe.growth >= 0
     assert "off" in _engine(model, "ar", 3).chunking_summary()
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         _engine(model, "ar", 3, max_num_batched_tokens="large")
+
+
+@pytest.mark.parametrize("growth", [0.0, 0.001, 0.02])
+def test_chunk_cost_grows_with_the_prefix_and_chunks_are_the_most_that_fit(growth: float) -> None:
+    """ChunkProbe.cost: n tokens after a prefix cost n budget tokens up to the probe's context, more
+    after it; tokens_within is the most tokens whose cost fits (at least one)."""
+    probe = ChunkProbe(128, 0.1, (8, 3), context=256, far=1024, growth=growth)
+    assert probe.cost(100, 0) == 100 and probe.cost(100, 200) == 100
+    for prefix in (0, 256, 700, 1400, 5000):
+        for budget in (1, 7, 32, 96, 128.5):
+            n = probe.tokens_within(budget, prefix)
+            assert n >= 1 and (n == 1 or probe.cost(n, prefix) <= budget)
+            assert probe.cost(n + 1, prefix) > budget
+            if growth == 0:
+                assert n == max(1, int(budget))
+    assert probe.cost(100, 1400) > probe.cost(100, 700) > probe.cost(100, 256) if growth else True
 
 
 def test_decoding_rows_emit_every_step_while_a_long_prompt_prefills() -> None:
@@ -731,3 +748,32 @@ def test_chunked_prefill_keeps_seeded_sampling_prompt_logprobs_and_sharing() -> 
     assert [t for t, _, _ in chunked] == [t for t, _, _ in whole]
     assert scores["chunked"] == scores["whole"] and len(scores["whole"]) == len(prompts[2]) - 1
     assert [s.cached_prompt_tokens for _, s, _ in chunked] == [0, 20, 0, 20]  # the scored prompt shares none
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_a_step_carrying_prompt_chunks_reads_the_device_once(sampling: str) -> None:
+    """Decode and prompt chunks in one step (issue 53 with issue 54's one copy): the decode's results
+    and the first token of a prompt its last chunk finished come back in one device read, and what
+    the chunks need on the device travels in non-blocking copies only."""
+    from bench.host_reads import ReadCounter
+
+    model = tiny_target()
+    cpu = torch.device("cpu")
+    counter = ReadCounter(cpu)
+    temperature = 0.0 if sampling == "greedy" else 1.0
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=temperature)
+    with counter:  # residency tracking from the engine's construction on (bench/host_reads.py)
+        engine = _engine(model, "domino", 3, draft_policy="fixed", max_num_batched_tokens=8)
+        for i, p in enumerate(_prompts(2)):
+            engine.add_request(f"s{i}", p, params)
+        engine.step()  # both go in whole: nothing decodes yet
+        engine.add_request("long", (_prompts(10)[6] * 2)[:30], params)
+    counter.counting = True
+    carried = []  # (device reads, blocking copies to the device, prompt tokens) of each step with chunks
+    while engine.prefilling or engine.num_waiting:
+        reads, copies = counter.total("device:read"), counter.total("device:h2d")
+        with counter:
+            engine.step()
+        carried.append((counter.total("device:read") - reads, counter.total("device:h2d") - copies))
+    assert len(carried) >= 3 and engine.num_prefill_chunks >= 3
+    assert carried == [(1, 0)] * len(carried), (counter.counts["device:read"], counter.counts["device:h2d"])
