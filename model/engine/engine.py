@@ -16,7 +16,9 @@ per row and step the policy verifies whichever proposal it expects to pay more (
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -130,6 +132,7 @@ class Engine:
         self.chunk_probe: ChunkProbe | None = None
         self.token_budget = self._token_budget() if not self.runner.capture else None
         self.prefilling: list[Row] = []
+        self.recent_decode_seconds: deque[float] = deque(maxlen=32)  # decode steps without chunks
         self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
         self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
         # Chunks a decode step's verify carried, prefilled: (taken, batch, result, start time).
@@ -310,13 +313,17 @@ class Engine:
         """Prompt tokens a step that decodes `rows` x `width` tokens may forward: what is left of
         the budget, and at least a quarter of it, so that a prompt never starves behind decoding.
         With the budget measured ("auto"), also no more than the chunk the cost model puts within
-        CHUNK_STALL x this decode step (model/engine/cost_probe.py), so the streams' gap grows alike
-        with 1 row decoding or 16."""
+        CHUNK_STALL x the usual decode step (model/engine/cost_probe.py), so the streams' gap grows
+        alike with 1 row decoding or 16, and a wide step (dearer) carries no larger chunk."""
         assert self.token_budget is not None
         least = max(1, self.token_budget // 4)
         left = max(self.token_budget - rows * width, least)
         if self.chunk_probe is not None:
+            # The streams' usual gap: the median of recent decode steps without chunks (what a
+            # stall is measured against), or this step's modelled cost if that is less.
             step_s = self.policy.costs.verify(rows, width)
+            if self.recent_decode_seconds:
+                step_s = min(step_s, statistics.median(self.recent_decode_seconds))
             left = min(left, max(least, self.chunk_probe.tokens_in(CHUNK_STALL * step_s)))
         return left
 
@@ -589,6 +596,7 @@ class Engine:
             self.policy.costs.observe_draft(b - a, draft_s)
         if not carried:  # a forward that carried prompt chunks says nothing of a verify's cost
             self.policy.costs.observe_verify(r, k + 1, verify_s)
+            self.recent_decode_seconds.append(draft_s + verify_s)
         self.policy.observe(step)
         self.last_timing = StepTiming("decode", r, draft_s, verify_s, k)
         outputs, done = self._emit(step, out)

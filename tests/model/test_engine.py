@@ -677,6 +677,29 @@ def test_auto_token_budget_is_the_largest_chunk_within_two_decode_steps() -> Non
         _engine(model, "ar", 3, max_num_batched_tokens="large")
 
 
+def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
+    """With the budget measured, a step's chunk tokens are what the cost model puts in CHUNK_STALL x
+    the median recent decode step (or this step's modelled cost if less), between a quarter of the
+    budget and what decoding left of it; with a budget as set, what decoding left."""
+    model, drafter = tiny_target(), tiny_drafter(domino=True)
+    kwargs = dict(mode="domino", max_batch_size=3, max_model_len=1024, probe_costs=True)
+    assert Engine(TargetModel(model), drafter, max_num_batched_tokens=400, **kwargs)._chunk_budget(3, 5) == 385
+    engine = Engine(TargetModel(model), drafter, max_num_batched_tokens="auto", **kwargs)
+    probe, budget = engine.chunk_probe, engine.token_budget
+    assert probe is not None and budget is not None
+    least, left = budget // 4, budget - 3 * 5
+    engine.recent_decode_seconds.extend([1e-9] * 5)  # the streams step fast: the least chunk
+    assert engine._chunk_budget(3, 5) == least
+    engine.recent_decode_seconds.extend([1e3] * 32)  # slow: this step's modelled cost decides
+    modelled = probe.tokens_in(CHUNK_STALL * engine.policy.costs.verify(3, 5))
+    assert engine._chunk_budget(3, 5) == min(left, max(least, modelled))
+    n = (least + left) // 2
+    usual = probe.token_seconds * (n + 0.5) / CHUNK_STALL  # a usual step that pays for n chunk tokens
+    engine.recent_decode_seconds.extend([usual] * 32)
+    if engine.policy.costs.verify(3, 5) > usual:  # this (wide) step is dearer than usual: still n
+        assert engine._chunk_budget(3, 5) == n
+
+
 @pytest.mark.parametrize("growth", [0.0, 0.001, 0.02])
 def test_chunk_cost_grows_with_the_prefix_and_chunks_are_the_most_that_fit(growth: float) -> None:
     """ChunkProbe.cost: n tokens after a prefix cost n budget tokens up to the probe's context, more
