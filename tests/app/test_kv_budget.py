@@ -38,15 +38,18 @@ def test_concurrent_requests_through_preemption_answer_as_alone(server_factory: 
 
 def test_chunked_prefill_served_answers_as_alone(server_factory: Callable[..., ServerProcess]) -> None:
     """DOMINO_MAX_NUM_BATCHED_TOKENS=16: three short prompts decode (one streamed request) when a
-    long prompt arrives; it goes in by chunks beside them, and each answers as the prompt does alone."""
-    srv = server_factory(max_model_len=256, max_batch_size=4, max_num_batched_tokens=16)
+    long prompt arrives; it goes in by chunks beside them, and each answers as the prompt does alone.
+    Plain decoding (one token a row a step) and 200 tokens each: the short ones outlast the long
+    prompt's chunks (at least 13 tokens a step) whatever the machine's speed."""
+    srv = server_factory(max_model_len=256, max_batch_size=4, max_num_batched_tokens=16, mode="ar")
     short = [[4 + i, 5, 6 + 2 * i, 7] for i in range(3)]
     long_prompt = [(3 * k) % 90 + 5 for k in range(120)]
-    body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    body = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
     def complete(prompt: list[int] | list[list[int]]) -> list[str]:
+        tokens = {"max_tokens": 24} if prompt is long_prompt else {}  # within max_model_len
         with httpx.Client(base_url=srv.url, timeout=120) as c:
-            r = c.post("/v1/completions", json={"prompt": prompt, **body})
+            r = c.post("/v1/completions", json={"prompt": prompt, **body, **tokens})
         assert r.status_code == 200, r.text
         return [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
 
