@@ -312,19 +312,20 @@ class Engine:
     def _chunk_budget(self, rows: int, width: int) -> float:
         """Prompt tokens a step that decodes `rows` x `width` tokens may forward: what is left of
         the budget, and at least a quarter of it, so that a prompt never starves behind decoding.
-        With the budget measured ("auto"), also no more than the chunk the cost model puts within
-        CHUNK_STALL x the usual decode step (model/engine/cost_probe.py), so the streams' gap grows
-        alike with 1 row decoding or 16, and a wide step (dearer) carries no larger chunk."""
+        With the budget measured ("auto"), also no more than the chunk the cost model
+        (model/engine/cost_probe.py) fits in what this step's decode leaves of (1 + CHUNK_STALL) x
+        the streams' usual step, so the streams' gap grows alike with 1 row decoding or 16."""
         assert self.token_budget is not None
         least = max(1, self.token_budget // 4)
         left = max(self.token_budget - rows * width, least)
         if self.chunk_probe is not None:
-            # The streams' usual gap: the median of recent decode steps without chunks (what a
-            # stall is measured against), or this step's modelled cost if that is less.
+            # The whole step within (1 + CHUNK_STALL) x the streams' usual gap (the median of recent
+            # decode steps without chunks: what a stall is measured against): a wide drafting step,
+            # dearer than usual, leaves its chunk less room.
             step_s = self.policy.costs.verify(rows, width)
-            if self.recent_decode_seconds:
-                step_s = min(step_s, statistics.median(self.recent_decode_seconds))
-            left = min(left, max(least, self.chunk_probe.tokens_in(CHUNK_STALL * step_s)))
+            usual = statistics.median(self.recent_decode_seconds) if self.recent_decode_seconds else step_s
+            chunk_s = (1 + CHUNK_STALL) * usual - step_s
+            left = min(left, max(least, self.chunk_probe.tokens_in(max(0.0, chunk_s))))
         return left
 
     def _take_chunks(self, budget: float | None) -> list[tuple[Row, int]]:
