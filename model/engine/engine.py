@@ -36,7 +36,7 @@ from model.engine.prefill import PrefillBatch, PrefillResult
 from model.engine.proposers import DraftProposer, NgramProposer
 from model.engine.rejection import accept, assemble_drafts, choice_arrays
 from model.engine.requests import RequestOutput, RequestStats, SamplingParams, StepTiming, check_prompt
-from model.engine.row import Row, cached_tokens, commit, seed_generator
+from model.engine.row import Row, cached_tokens, commit, scores_prompt, seed_generator
 from model.engine.runner import ModelRunner, check_drafter
 from model.engine.scheduler import Scheduler
 from model.engine.static import verify_widths
@@ -342,7 +342,7 @@ class Engine:
             if left <= 0:
                 break
             remaining = cached_tokens(row) - row.prefilled
-            scored = row.params.prompt_logprobs is not None and not row.output_ids
+            scored = scores_prompt(row)
             if scored and taken:
                 break  # next step, alone
             if scored or left == math.inf:
@@ -361,7 +361,7 @@ class Engine:
         """The chunks a decode step of `rows` x `width` tokens carries in its verify forward, planned
         (model/engine/prefill.py: `Prefiller.plan`); None when they must go alone (a scored prompt)."""
         taken = self._take_chunks(self._chunk_budget(rows, width))
-        if not taken or any(row.params.prompt_logprobs is not None and not row.output_ids for row, _ in taken):
+        if not taken or any(scores_prompt(row) for row, _ in taken):
             return None
         rows = [row for row, _ in taken]
         batch = self.runner.prefiller.plan(rows, len(self.rows), chunk=[n for _, n in taken])

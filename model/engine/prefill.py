@@ -15,7 +15,7 @@ import torch
 from model.engine.logits_processors import process_logits
 from model.engine.logprobs import prompt_logprobs, token_logprobs
 from model.engine.requests import TokenLogprob
-from model.engine.row import Row, cache_ids, draw_uniforms
+from model.engine.row import Row, cache_ids, draw_uniforms, scores_prompt
 from model.engine.sampling import SamplingBatch, pick_tokens
 from model.kv.blocks import BlockTables
 from model.kv.draft_cache import DraftContextCache
@@ -71,12 +71,8 @@ class PrefillBatch:
     resumed: set[int]  # id(row) of the preempted rows recomputed
     groups: list[tuple[int, int]]
     tokens: list[torch.Tensor]  # per group [b - a, longest], padded on the right, on the device
+    fresh: list[int]  # rows new to the batch whose prompt is done: they get a first token
     fresh_index: torch.Tensor  # `fresh`, on the device
-
-    @property
-    def fresh(self) -> list[int]:
-        """Indices of the rows new to the batch whose prompt is done: they get a first token."""
-        return [i for i, r in enumerate(self.rows) if id(r) not in self.resumed and id(r) in self.done]
 
     def row_groups(self) -> list[RowGroup]:
         """The groups for a packed forward (model/nn/target.py)."""
@@ -155,7 +151,7 @@ class Prefiller:
         *tokens, lens, fresh_index = upload(
             [*parts, np.array(lengths, dtype=np.int64), np.array(fresh, dtype=np.int64)], dev
         )
-        return PrefillBatch(new, lo, ids, starts, lengths, lens, done, resumed, groups, tokens, fresh_index)
+        return PrefillBatch(new, lo, ids, starts, lengths, lens, done, resumed, groups, tokens, fresh, fresh_index)
 
     def forward(self, batch: PrefillBatch) -> tuple[list[TargetOutput], list[list[TokenLogprob] | None]]:
         """`run`'s second part: one target forward per group; (outputs, prompt logprobs per row)."""
@@ -163,9 +159,7 @@ class Prefiller:
         outputs = []
         scored_logprobs: list[list[TokenLogprob] | None] = [None] * len(new)
         for (a, b), tokens in zip(batch.groups, batch.tokens):
-            scored = [
-                i for i in range(a, b) if new[i].params.prompt_logprobs is not None and id(new[i]) not in batch.resumed
-            ]
+            scored = [i for i in range(a, b) if scores_prompt(new[i])]
             out = self.target.forward(
                 self.cache,
                 lo + a,

@@ -45,6 +45,12 @@ def cache_ids(row: Row) -> list[int]:
     return row.prompt_ids + row.output_ids[:-1]
 
 
+def scores_prompt(row: Row) -> bool:
+    """The row's prefill scores its prompt (prompt logprobs): asked for, and not a preempted row
+    being recomputed (its scores went out with its first prefill)."""
+    return row.params.prompt_logprobs is not None and not row.output_ids
+
+
 def cached_tokens(row: Row) -> int:
     """How many `cache_ids(row)` are, without building them: the row's positions in the caches."""
     return len(row.prompt_ids) + max(len(row.output_ids) - 1, 0)
