@@ -98,8 +98,11 @@ class ChatStream:
             function = FunctionCallOut(name=call.name, arguments=call.arguments)
             calls.append(ToolCallDelta(index=self.calls[i], id=call.id, function=function))
             self.calls[i] += 1
-        nothing = not (parsed.reasoning or parsed.content or calls) and not event.logprobs
-        if nothing and event.finish_reason is None and running is None:
+        nothing = not (parsed.reasoning or parsed.content or calls)
+        # As for completions: a step that generated tokens sends a chunk even when the parsers or the
+        # detokenizer hold its text back; its delta is then empty (`{}`, as OpenAI's last chunk), not
+        # `content: ""`, which clients could read as the start of a text answer during a tool call.
+        if nothing and not (event.num_tokens or event.logprobs or event.finish_reason or running is not None):
             return None
         delta = DeltaMessage(
             reasoning_content=parsed.reasoning or None, content=parsed.content or None, tool_calls=calls or None

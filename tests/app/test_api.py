@@ -167,6 +167,23 @@ def test_completion_stream_matches_non_stream(client: httpx.Client, tok: Any, gr
     assert "".join(e["choices"][0]["text"] for e in events) == ref_text
 
 
+def test_a_step_whose_tokens_have_no_text_still_sends_a_chunk(client: httpx.Client, tok: Any) -> None:
+    # Every token a skipped special token: no text at all, yet each step that generated tokens sends
+    # a chunk (before: one chunk, the last), so a stream's cadence is the engine's.
+    bias = {str(tok.convert_tokens_to_ids("<|im_start|>")): 100}
+    body = {"max_tokens": 8, "temperature": 0, "stream": True, "logit_bias": bias}
+    events = stream_post(client, "/v1/completions", {**body, "prompt": "Hello world"})
+    assert [e["choices"][0]["text"] for e in events] == [""] * len(events)
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (len(events) - 1) + ["length"]
+    assert len(events) >= 2  # the prompt's step gave the first token, a later one the last
+    events = stream_post(client, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "Hi"}]})
+    opening, *steps = events
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [e["choices"][0]["delta"] for e in steps] == [{}] * len(steps)  # no content key: no text began
+    assert [e["choices"][0]["finish_reason"] for e in steps] == [None] * (len(steps) - 1) + ["length"]
+    assert len(steps) >= 2
+
+
 def test_echo(client: httpx.Client, tok: Any, greedy_reference: Any) -> None:
     body = client.post(
         "/v1/completions", json={"prompt": "Hello world", "max_tokens": 5, "temperature": 0, "echo": True}
