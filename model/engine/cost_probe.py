@@ -146,6 +146,11 @@ class ChunkProbe:
         """What one more prompt token after the probe's context costs (the 64-128 line's slope)."""
         return max(1e-9, (self.chunk[2 * FIRST_CHUNK] - self.chunk[FIRST_CHUNK]) / FIRST_CHUNK)
 
+    def seconds_of(self, tokens: float) -> float:
+        """What `tokens` prompt tokens (counted as `cost` counts them) add to a forward; 0 where the
+        slope was not timed."""
+        return tokens * self.token_seconds if 2 * FIRST_CHUNK in self.chunk else 0.0
+
     def tokens_in(self, seconds: float) -> int:
         """Prompt tokens (counted as `cost` counts them) that `seconds` of a forward pay for."""
         if 2 * FIRST_CHUNK not in self.chunk:

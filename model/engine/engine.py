@@ -61,6 +61,7 @@ class FoldedChunks:
     outputs: list[TargetOutput] = field(default_factory=list)
     first: torch.Tensor | None = None
     t0: float = 0.0
+    planned_seconds: float = 0.0  # the forward, decode and chunks, as the cost models put it (0: none)
 
 
 class Engine:
@@ -133,6 +134,9 @@ class Engine:
         self.token_budget = self._token_budget() if not self.runner.capture else None
         self.prefilling: list[Row] = []
         self.recent_decode_seconds: deque[float] = deque(maxlen=32)  # decode steps without chunks
+        # Forwards that carried chunks: their time over what the cost models planned (the models miss
+        # by 10-40 % on a busy CPU; the chunk sizes follow what steps really took).
+        self.recent_chunk_overruns: deque[float] = deque(maxlen=8)
         self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
         self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
         # Chunks a decode step's verify carried, prefilled: (taken, batch, result, start time).
@@ -324,9 +328,17 @@ class Engine:
             # dearer than usual, leaves its chunk less room.
             step_s = self.policy.costs.verify(rows, width)
             usual = statistics.median(self.recent_decode_seconds) if self.recent_decode_seconds else step_s
-            chunk_s = (1 + CHUNK_STALL) * usual - step_s
+            chunk_s = (1 + CHUNK_STALL) * usual / self.chunk_overrun - step_s
             left = min(left, max(least, self.chunk_probe.tokens_in(max(0.0, chunk_s))))
         return left
+
+    @property
+    def chunk_overrun(self) -> float:
+        """How much longer than planned the recent forwards carrying chunks took (median; 1 before
+        any, held within [0.5, 2] so one odd step cannot stop or flood chunking)."""
+        if not self.recent_chunk_overruns:
+            return 1.0
+        return min(2.0, max(0.5, statistics.median(self.recent_chunk_overruns)))
 
     def _take_chunks(self, budget: float | None) -> list[tuple[Row, int]]:
         """The prefilling rows' next chunks within `budget` (None: the rest of every prompt), oldest
@@ -363,9 +375,14 @@ class Engine:
         taken = self._take_chunks(self._chunk_budget(rows, width))
         if not taken or any(scores_prompt(row) for row, _ in taken):
             return None
-        rows = [row for row, _ in taken]
-        batch = self.runner.prefiller.plan(rows, len(self.rows), chunk=[n for _, n in taken])
-        return FoldedChunks(taken, batch, [row.generator.bit_generator.state for row in rows])
+        plan = [row for row, _ in taken]
+        batch = self.runner.prefiller.plan(plan, len(self.rows), chunk=[n for _, n in taken])
+        chunks = FoldedChunks(taken, batch, [row.generator.bit_generator.state for row in plan])
+        probe = self.chunk_probe
+        if probe is not None and probe.seconds_of(1) > 0:
+            chunk_s = probe.seconds_of(sum(probe.cost(n, row.prefilled) for row, n in taken))
+            chunks.planned_seconds = self.policy.costs.verify(rows, width) + chunk_s
+        return chunks
 
     def _pick_folded(self, chunks: FoldedChunks) -> bool:
         """The folded chunks' first tokens chosen on the device, from their part of the verify
@@ -585,6 +602,7 @@ class Engine:
         r, k = step.drafts.tokens.shape
         chunks = fold(r, k + 1) if fold is not None else None
         carried = chunks is not None
+        planned = chunks.planned_seconds if chunks is not None else 0.0
         out = self._verify(step, timer, chunks)
         if chunks is not None and not self._pick_folded(chunks):
             chunks = None  # they go in a prefill of their own after the decode
@@ -598,6 +616,8 @@ class Engine:
         if not carried:  # a forward that carried prompt chunks says nothing of a verify's cost
             self.policy.costs.observe_verify(r, k + 1, verify_s)
             self.recent_decode_seconds.append(draft_s + verify_s)
+        elif planned > 0:
+            self.recent_chunk_overruns.append(verify_s / planned)
         self.policy.observe(step)
         self.last_timing = StepTiming("decode", r, draft_s, verify_s, k)
         outputs, done = self._emit(step, out)

@@ -699,6 +699,39 @@ def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
     assert engine._chunk_budget(3, 5) == n
 
 
+def test_chunks_shrink_when_steps_carrying_them_overran_their_plan() -> None:
+    """A forward carrying chunks records its time over what the cost models planned; the next chunks
+    are sized as if the streams stepped that much faster (the median of the last 8, within [0.5, 2])."""
+    model, drafter = tiny_target(), tiny_drafter(domino=True)
+    engine = Engine(
+        TargetModel(model), drafter, mode="domino", max_batch_size=3, max_model_len=1024,
+        max_num_batched_tokens="auto", probe_costs=True,
+    )  # fmt: skip
+    for i, prompt in enumerate(_prompts(2)):
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_new_tokens=64))
+    while len(engine.rows) < 2:
+        engine.step()
+    assert engine.chunk_overrun == 1.0 and not engine.recent_chunk_overruns
+    long = torch.randint(0, 127, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine.add_request("long", long, SamplingParams(max_new_tokens=1))
+    chunks = engine.num_prefill_chunks
+    engine.step()  # the decode carries the prompt's first chunk in its forward
+    assert engine.num_prefill_chunks == chunks + 1 and engine.prefilling and len(engine.recent_chunk_overruns) == 1
+    assert engine.recent_chunk_overruns[0] > 0
+    engine.recent_chunk_overruns.extend([50.0] * 8)
+    assert engine.chunk_overrun == 2.0  # one odd run of steps cannot stop chunking
+    probe = engine.chunk_probe
+    assert probe is not None
+    usual = engine.policy.costs.verify(3, 5) + probe.token_seconds * 40
+    for overrun in (0.8, 1.3):
+        engine.recent_chunk_overruns.clear()
+        engine.recent_decode_seconds.extend([usual / overrun] * 32)
+        as_if_faster = engine._chunk_budget(3, 5)
+        engine.recent_chunk_overruns.extend([overrun] * 8)
+        engine.recent_decode_seconds.extend([usual] * 32)
+        assert engine._chunk_budget(3, 5) == as_if_faster
+
+
 @pytest.mark.parametrize("growth", [0.0, 0.001, 0.02])
 def test_chunk_cost_grows_with_the_prefix_and_chunks_are_the_most_that_fit(growth: float) -> None:
     """ChunkProbe.cost: n tokens after a prefix cost n budget tokens up to the probe's context, more
