@@ -133,10 +133,13 @@ class Engine:
         self.chunk_probe: ChunkProbe | None = None
         self.token_budget = self._token_budget() if not self.runner.capture else None
         self.prefilling: list[Row] = []
-        self.recent_decode_seconds: deque[float] = deque(maxlen=32)  # decode steps without chunks
-        # Forwards that carried chunks: their time over what the cost models planned (the models miss
-        # by 10-40 % on a busy CPU; the chunk sizes follow what steps really took).
-        self.recent_chunk_overruns: deque[float] = deque(maxlen=8)
+        # Chunked prefill's clock: the wall time of recent decode steps without chunks (the streams'
+        # usual gap), and of steps that carried chunks over their forward as the cost models planned
+        # it (host work and the drafter ride on top, and the models miss late in a long prompt, where
+        # attention over the prefix grows: the chunk sizes follow what steps really took).
+        self.recent_decode_seconds: deque[float] = deque(maxlen=32)
+        self.recent_chunk_overruns: deque[float] = deque(maxlen=4)
+        self._planned_chunk_step = 0.0  # this step's, when its forward carries chunks
         self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
         self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
         # Chunks a decode step's verify carried, prefilled: (taken, batch, result, start time).
@@ -298,6 +301,8 @@ class Engine:
         decoded: tuple[int, int] | None = None  # the decode's rows x tokens, if any
         self.last_timing = None  # this step's: the decode's, else the prefill's
         self._folded = None
+        self._planned_chunk_step = 0.0
+        start = time.perf_counter()
         if self.rows:
             decoded = (len(self.rows), self.max_drafts_per_step + 1)  # a bound, if the step fails
             fold = self.prefilling and self.static is None and self.config.fold_chunks
@@ -311,6 +316,10 @@ class Engine:
         elif self.prefilling:
             # A step with no decoding rows has no stream to stall: its prompts go in whole.
             outputs.extend(self._prefill_chunks(self._chunk_budget(*decoded) if decoded else None))
+        elif decoded is not None:
+            self.recent_decode_seconds.append(time.perf_counter() - start)
+        if folded is not None and self._planned_chunk_step > 0:
+            self.recent_chunk_overruns.append((time.perf_counter() - start) / self._planned_chunk_step)
         return outputs
 
     def _chunk_budget(self, rows: int, width: int) -> float:
@@ -325,7 +334,7 @@ class Engine:
         if self.chunk_probe is not None:
             # The whole step within (1 + CHUNK_STALL) x the streams' usual gap (the median of recent
             # decode steps without chunks: what a stall is measured against): a wide drafting step,
-            # dearer than usual, leaves its chunk less room.
+            # dearer than usual, leaves its chunk less room; steps that ran over their plan, less.
             step_s = self.policy.costs.verify(rows, width)
             usual = statistics.median(self.recent_decode_seconds) if self.recent_decode_seconds else step_s
             chunk_s = (1 + CHUNK_STALL) * usual / self.chunk_overrun - step_s
@@ -334,8 +343,8 @@ class Engine:
 
     @property
     def chunk_overrun(self) -> float:
-        """How much longer than planned the recent forwards carrying chunks took (median; 1 before
-        any, held within [0.5, 2] so one odd step cannot stop or flood chunking)."""
+        """How much longer than their forward as planned the recent steps carrying chunks took
+        (median; 1 before any, held within [0.5, 2] so one odd step cannot stop or flood chunking)."""
         if not self.recent_chunk_overruns:
             return 1.0
         return min(2.0, max(0.5, statistics.median(self.recent_chunk_overruns)))
@@ -602,7 +611,8 @@ class Engine:
         r, k = step.drafts.tokens.shape
         chunks = fold(r, k + 1) if fold is not None else None
         carried = chunks is not None
-        planned = chunks.planned_seconds if chunks is not None else 0.0
+        if chunks is not None:
+            self._planned_chunk_step = chunks.planned_seconds
         out = self._verify(step, timer, chunks)
         if chunks is not None and not self._pick_folded(chunks):
             chunks = None  # they go in a prefill of their own after the decode
@@ -615,9 +625,6 @@ class Engine:
             self.policy.costs.observe_draft(b - a, draft_s)
         if not carried:  # a forward that carried prompt chunks says nothing of a verify's cost
             self.policy.costs.observe_verify(r, k + 1, verify_s)
-            self.recent_decode_seconds.append(draft_s + verify_s)
-        elif planned > 0:
-            self.recent_chunk_overruns.append(verify_s / planned)
         self.policy.observe(step)
         self.last_timing = StepTiming("decode", r, draft_s, verify_s, k)
         outputs, done = self._emit(step, out)

@@ -700,8 +700,8 @@ def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
 
 
 def test_chunks_shrink_when_steps_carrying_them_overran_their_plan() -> None:
-    """A forward carrying chunks records its time over what the cost models planned; the next chunks
-    are sized as if the streams stepped that much faster (the median of the last 8, within [0.5, 2])."""
+    """A step carrying chunks records its time over its forward as the cost models planned it; the next chunks
+    are sized as if the streams stepped that much faster (the median of the last 4, within [0.5, 2])."""
     model, drafter = tiny_target(), tiny_drafter(domino=True)
     engine = Engine(
         TargetModel(model), drafter, mode="domino", max_batch_size=3, max_model_len=1024,
@@ -718,7 +718,7 @@ def test_chunks_shrink_when_steps_carrying_them_overran_their_plan() -> None:
     engine.step()  # the decode carries the prompt's first chunk in its forward
     assert engine.num_prefill_chunks == chunks + 1 and engine.prefilling and len(engine.recent_chunk_overruns) == 1
     assert engine.recent_chunk_overruns[0] > 0
-    engine.recent_chunk_overruns.extend([50.0] * 8)
+    engine.recent_chunk_overruns.extend([50.0] * 4)
     assert engine.chunk_overrun == 2.0  # one odd run of steps cannot stop chunking
     probe = engine.chunk_probe
     assert probe is not None
@@ -727,7 +727,7 @@ def test_chunks_shrink_when_steps_carrying_them_overran_their_plan() -> None:
         engine.recent_chunk_overruns.clear()
         engine.recent_decode_seconds.extend([usual / overrun] * 32)
         as_if_faster = engine._chunk_budget(3, 5)
-        engine.recent_chunk_overruns.extend([overrun] * 8)
+        engine.recent_chunk_overruns.extend([overrun] * 4)
         engine.recent_decode_seconds.extend([usual] * 32)
         assert engine._chunk_budget(3, 5) == as_if_faster
 
