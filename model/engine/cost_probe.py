@@ -94,6 +94,10 @@ def probe_step_costs(
 # A step that carries a prompt chunk may cost up to this many decode steps more than decoding alone,
 # so that running streams wait at most ~(1 + CHUNK_STALL)x their usual gap while a prompt goes in.
 CHUNK_STALL = 1.5
+# Each step that carries chunks is held to (1 + STEP_STALL)x the streams' usual step (Engine._chunk_budget):
+# under CHUNK_STALL because a busy CPU's step times spread some 15 % around the plan, and the streams' worst
+# gap, not the typical one, must stay within 3x their usual gap (issue 53's target).
+STEP_STALL = 1.25
 FIRST_CHUNK = 64  # the smallest chunk probed, and the budget if even it costs more
 
 

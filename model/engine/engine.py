@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from model.engine.config import DEFAULT_TOKEN_BUDGET, EngineConfig
-from model.engine.cost_probe import CHUNK_STALL, ChunkProbe, CostProbe
+from model.engine.cost_probe import STEP_STALL, ChunkProbe, CostProbe
 from model.engine.costs import TRUSTED_SAMPLES, NgramAcceptance, prior_curve_for
 from model.engine.logits_processors import new_row_processor, process_logits
 from model.engine.logprobs import token_logprobs
@@ -326,18 +326,18 @@ class Engine:
         """Prompt tokens a step that decodes `rows` x `width` tokens may forward: what is left of
         the budget, and at least a quarter of it, so that a prompt never starves behind decoding.
         With the budget measured ("auto"), also no more than the chunk the cost model
-        (model/engine/cost_probe.py) fits in what this step's decode leaves of (1 + CHUNK_STALL) x
+        (model/engine/cost_probe.py) fits in what this step's decode leaves of (1 + STEP_STALL) x
         the streams' usual step, so the streams' gap grows alike with 1 row decoding or 16."""
         assert self.token_budget is not None
         least = max(1, self.token_budget // 4)
         left = max(self.token_budget - rows * width, least)
         if self.chunk_probe is not None:
-            # The whole step within (1 + CHUNK_STALL) x the streams' usual gap (the median of recent
+            # The whole step within (1 + STEP_STALL) x the streams' usual gap (the median of recent
             # decode steps without chunks: what a stall is measured against): a wide drafting step,
             # dearer than usual, leaves its chunk less room; steps that ran over their plan, less.
             step_s = self.policy.costs.verify(rows, width)
             usual = statistics.median(self.recent_decode_seconds) if self.recent_decode_seconds else step_s
-            chunk_s = (1 + CHUNK_STALL) * usual / self.chunk_overrun - step_s
+            chunk_s = (1 + STEP_STALL) * usual / self.chunk_overrun - step_s
             left = min(left, max(least, self.chunk_probe.tokens_in(max(0.0, chunk_s))))
         return left
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.engine.config import DEFAULT_TOKEN_BUDGET
-from model.engine.cost_probe import CHUNK_STALL, FIRST_CHUNK, ChunkProbe
+from model.engine.cost_probe import CHUNK_STALL, FIRST_CHUNK, STEP_STALL, ChunkProbe
 from model.engine.engine import Engine, SamplingParams
 from model.engine.proposers import Proposal
 from model.engine.requests import ContextLengthError
@@ -679,7 +679,7 @@ def test_auto_token_budget_is_the_largest_chunk_within_two_decode_steps() -> Non
 
 def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
     """With the budget measured, a step's chunk tokens are what the cost model fits in what this
-    step's modelled decode leaves of (1 + CHUNK_STALL) x the median recent decode step, between a
+    step's modelled decode leaves of (1 + STEP_STALL) x the median recent decode step, between a
     quarter of the budget and what decoding left of it; with a budget as set, what decoding left."""
     model, drafter = tiny_target(), tiny_drafter(domino=True)
     kwargs = dict(mode="domino", max_batch_size=3, max_model_len=1024, probe_costs=True)
@@ -694,7 +694,7 @@ def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
     engine.recent_decode_seconds.extend([1e3] * 32)  # the streams step slowly: what decoding left
     assert engine._chunk_budget(3, 5) == left
     n = (least + left) // 2
-    usual = (step_s + probe.token_seconds * (n + 0.5)) / (1 + CHUNK_STALL)  # room for n chunk tokens
+    usual = (step_s + probe.token_seconds * (n + 0.5)) / (1 + STEP_STALL)  # room for n chunk tokens
     engine.recent_decode_seconds.extend([usual] * 32)
     assert engine._chunk_budget(3, 5) == n
 
