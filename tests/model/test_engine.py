@@ -699,6 +699,35 @@ def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
     assert engine._chunk_budget(3, 5) == n
 
 
+def test_a_short_prompt_goes_whole_where_the_clock_would_cut_it() -> None:
+    """With the budget measured, a prompt not begun that fits in what decoding left of the budget
+    goes in one step even where the step's clock allows only a quarter of it; a longer one is cut."""
+    model, drafter = tiny_target(), tiny_drafter(domino=True)
+    engine = Engine(
+        TargetModel(model), drafter, mode="domino", max_batch_size=4, max_model_len=1024,
+        max_num_batched_tokens="auto", probe_costs=True,
+    )  # fmt: skip
+    for i, prompt in enumerate(_prompts(2)):
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_new_tokens=200))
+    while len(engine.rows) < 2:
+        engine.step()
+    budget = engine.token_budget
+    assert budget is not None
+    engine.recent_decode_seconds.extend([1e-6] * 32)  # the streams step fast: the clock gives the least
+    width = engine.max_drafts_per_step + 1
+    least, left = budget // 4, budget - 2 * width
+    assert engine._chunk_budget(2, width) == least < left
+    gen = torch.Generator().manual_seed(5)
+    for rid, n in (("short", left), ("long", budget + 1)):
+        engine.add_request(rid, torch.randint(0, 127, (n,), generator=gen).tolist(), SamplingParams(max_new_tokens=4))
+    engine.step()
+    assert [row.request_id for row in engine.rows] == ["s0", "s1", "short"]  # all its prompt in one step
+    (long,) = engine.prefilling
+    assert long.prefilled == 0  # the step's room went to the short prompt
+    engine.step()
+    assert 0 < long.prefilled <= least + 1  # a long prompt is cut by the clock
+
+
 def test_chunks_shrink_when_steps_carrying_them_overran_their_plan() -> None:
     """A step carrying chunks records its time over its forward as the cost models planned it; the next chunks
     are sized as if the streams stepped that much faster (the median of the last 4, within [0.5, 2])."""
