@@ -54,3 +54,10 @@ class SeqEvent:
     unavailable: bool = False  # the error is the server going away, not the request failing
     client_error: bool = False  # the request's own failure (its grammar): the message goes to the client
     prompt_logprobs: list[LogprobEntry] | None = None  # on the first event, when the prompt was scored
+
+    @property
+    def progressed(self) -> bool:
+        """The step gave this choice tokens, logprobs or its end: a stream sends a chunk for it even
+        where its text is held back (half a UTF-8 character, a skipped special token, a possible stop
+        string), as vLLM does, so the stream's cadence stays the engine's."""
+        return bool(self.num_tokens or self.logprobs or self.finish_reason)

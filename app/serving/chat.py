@@ -99,10 +99,10 @@ class ChatStream:
             calls.append(ToolCallDelta(index=self.calls[i], id=call.id, function=function))
             self.calls[i] += 1
         nothing = not (parsed.reasoning or parsed.content or calls)
-        # As for completions: a step that generated tokens sends a chunk even when the parsers or the
-        # detokenizer hold its text back; its delta is then empty (`{}`, as OpenAI's last chunk), not
-        # `content: ""`, which clients could read as the start of a text answer during a tool call.
-        if nothing and not (event.num_tokens or event.logprobs or event.finish_reason or running is not None):
+        # Held-back text still sends a chunk (`SeqEvent.progressed`); its delta is then empty (`{}`, as
+        # OpenAI's last chunk), not `content: ""`, which clients could read as the start of a text
+        # answer during a tool call.
+        if nothing and not (event.progressed or running is not None):
             return None
         delta = DeltaMessage(
             reasoning_content=parsed.reasoning or None, content=parsed.content or None, tool_calls=calls or None

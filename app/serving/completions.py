@@ -56,10 +56,7 @@ class CompletionStream:
             if event.prompt_logprobs is not None:  # echo with logprobs: the prompt's come first
                 logprobs = completion_logprobs(event.prompt_logprobs, 0)[0]
             self.offsets[i] = len(self.echo_texts[i])
-        # A step that generated tokens sends a chunk even when their text is held back (half a UTF-8
-        # character, a skipped special token, a possible stop string), as vLLM does: the stream's
-        # cadence stays the engine's, and a client sees the request is alive.
-        if not (text or event.num_tokens or event.finish_reason or event.logprobs or running is not None):
+        if not (text or event.progressed or running is not None):
             return None
         if event.logprobs is not None:
             generated, self.offsets[i] = completion_logprobs(event.logprobs, self.offsets[i])

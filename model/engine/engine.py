@@ -139,11 +139,10 @@ class Engine:
         # attention over the prefix grows: the chunk sizes follow what steps really took).
         self.recent_decode_seconds: deque[float] = deque(maxlen=32)
         self.recent_chunk_overruns: deque[float] = deque(maxlen=4)
-        self._planned_chunk_step = 0.0  # this step's, when its forward carries chunks
         self.num_prefill_chunks = 0  # prompt chunks forwarded (a row's next tokens; one prefill takes several)
         self.last_prefill_tokens = 0  # prompt tokens the last step forwarded (whole prompts or chunks)
-        # Chunks a decode step's verify carried, prefilled: (taken, batch, result, start time).
-        self._folded: tuple[list[tuple[Row, int]], PrefillBatch, PrefillResult, float] | None = None
+        # Chunks a decode step's verify carried, and their prefill's result.
+        self._folded: tuple[FoldedChunks, PrefillResult] | None = None
         self.scheduler = Scheduler(
             cfg.max_batch_size, self.runner.blocks, self.runner.lookahead, self.runner.share_prefixes
         )
@@ -301,7 +300,6 @@ class Engine:
         decoded: tuple[int, int] | None = None  # the decode's rows x tokens, if any
         self.last_timing = None  # this step's: the decode's, else the prefill's
         self._folded = None
-        self._planned_chunk_step = 0.0
         start = time.perf_counter()
         if self.rows:
             decoded = (len(self.rows), self.max_drafts_per_step + 1)  # a bound, if the step fails
@@ -311,17 +309,22 @@ class Engine:
                 decoded = (self.last_timing.batch_size, self.last_timing.num_drafts + 1)
         folded, self._folded = self._folded, None
         if folded is not None:
-            taken, batch, result, t0 = folded
-            outputs.extend(self._after_chunks(taken, result, t0))
+            chunks, result = folded
+            outputs.extend(self._after_chunks(chunks.taken, result, chunks.t0))
+            if chunks.planned_seconds > 0:
+                self.recent_chunk_overruns.append((time.perf_counter() - start) / chunks.planned_seconds)
         elif self.prefilling:
             # A step with no decoding rows has no stream to stall: its prompts go in whole.
-            budget = (self._chunk_budget(*decoded), self._budget_left(*decoded)) if decoded else (None, 0.0)
-            outputs.extend(self._prefill_chunks(*budget))
+            outputs.extend(self._prefill_chunks(decoded))
         elif decoded is not None:
             self.recent_decode_seconds.append(time.perf_counter() - start)
-        if folded is not None and self._planned_chunk_step > 0:
-            self.recent_chunk_overruns.append((time.perf_counter() - start) / self._planned_chunk_step)
         return outputs
+
+    @property
+    def _least_chunk(self) -> int:
+        """The prompt tokens a step forwards however much it decodes, so that a prompt never starves."""
+        assert self.token_budget is not None
+        return max(1, self.token_budget // 4)
 
     def _chunk_budget(self, rows: int, width: int) -> float:
         """Prompt tokens a step that decodes `rows` x `width` tokens may forward: what is left of
@@ -329,8 +332,7 @@ class Engine:
         With the budget measured ("auto"), also no more than the chunk the cost model
         (model/engine/cost_probe.py) fits in what this step's decode leaves of (1 + STEP_STALL) x
         the streams' usual step, so the streams' gap grows alike with 1 row decoding or 16."""
-        assert self.token_budget is not None
-        least = max(1, self.token_budget // 4)
+        least = self._least_chunk
         left = self._budget_left(rows, width)
         if self.chunk_probe is not None:
             # The whole step within (1 + STEP_STALL) x the streams' usual gap (the median of recent
@@ -345,7 +347,7 @@ class Engine:
     def _budget_left(self, rows: int, width: int) -> int:
         """What a decode of `rows` x `width` tokens leaves of the token budget (at least a quarter)."""
         assert self.token_budget is not None
-        return max(self.token_budget - rows * width, max(1, self.token_budget // 4))
+        return max(self.token_budget - rows * width, self._least_chunk)
 
     @property
     def chunk_overrun(self) -> float:
@@ -355,20 +357,22 @@ class Engine:
             return 1.0
         return min(2.0, max(0.5, statistics.median(self.recent_chunk_overruns)))
 
-    def _take_chunks(self, budget: float | None, whole_within: float = 0.0) -> list[tuple[Row, int]]:
-        """The prefilling rows' next chunks within `budget` (None: the rest of every prompt), oldest
+    def _take_chunks(self, decoded: tuple[int, int] | None) -> list[tuple[Row, int]]:
+        """The prefilling rows' next chunks beside a decode of `decoded` rows x tokens, within
+        `_chunk_budget` (None, a step without decoding rows: the rest of every prompt), oldest
         first: a row gets tokens only once every older one is done, so all but the last row taken
         finish. With the budget measured ("auto"), a token counts what it costs after the positions
         before it (`ChunkProbe.cost`), so that chunks late in a long prompt are shorter. A prompt
-        not begun whose tokens fit in `whole_within` (what decoding left of the token budget) goes
+        not begun whose tokens fit in what decoding left of the token budget (`_budget_left`) goes
         whole: the budget was sized for such a step (CHUNK_STALL), and cutting a short prompt only
         delays its first token (served at concurrency 16: 0.89x the unchunked throughput); the clock
-        (`budget`) holds the long prompts, whose late chunks cost more. A prompt scored for its
+        (`_chunk_budget`) holds the long prompts, whose late chunks cost more. A prompt scored for its
         logprobs is taken whole and alone (padding beside other rows would move its scores in the
         last bits)."""
         taken: list[tuple[Row, int]] = []
         probe = self.chunk_probe if self.chunk_probe is not None and self.chunk_probe.growth > 0 else None
-        left: float = budget if budget is not None else math.inf
+        left: float = self._chunk_budget(*decoded) if decoded is not None else math.inf
+        whole_within: float = self._budget_left(*decoded) if decoded is not None else 0.0
         for row in self.prefilling:
             if left <= 0:
                 break
@@ -394,7 +398,7 @@ class Engine:
     def _fold_chunks(self, rows: int, width: int) -> FoldedChunks | None:
         """The chunks a decode step of `rows` x `width` tokens carries in its verify forward, planned
         (model/engine/prefill.py: `Prefiller.plan`); None when they must go alone (a scored prompt)."""
-        taken = self._take_chunks(self._chunk_budget(rows, width), self._budget_left(rows, width))
+        taken = self._take_chunks((rows, width))
         if not taken or any(scores_prompt(row) for row, _ in taken):
             return None
         plan = [row for row, _ in taken]
@@ -425,7 +429,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - the chunks are retried alone, after the decode
             self._undo_folded(chunks)
             return
-        self._folded = (chunks.taken, chunks.batch, result, chunks.t0)
+        self._folded = (chunks, result)
 
     def _undo_folded(self, chunks: FoldedChunks) -> None:
         for (row, _), state in zip(chunks.taken, chunks.states):
@@ -437,12 +441,13 @@ class Engine:
         for j, row in enumerate(self.prefilling):
             self.runner.seat(row, len(self.rows) + j)
 
-    def _prefill_chunks(self, budget: float | None, whole_within: float = 0.0) -> list[RequestOutput]:
-        """Forward up to `budget` prompt tokens (None: all) of the prefilling rows (`_take_chunks`) in one
-        prefill (forwards grouped as `prefill_split_tokens` says, like whole prompts); the rows
-        whose prompt is in join the decoding rows in the slots they hold. If the prefill fails,
-        each row's chunk is retried alone, so a bad one fails alone."""
-        taken = self._take_chunks(budget, whole_within)
+    def _prefill_chunks(self, decoded: tuple[int, int] | None) -> list[RequestOutput]:
+        """Forward the prefilling rows' next chunks beside a decode of `decoded` rows x tokens (None:
+        all of every prompt; `_take_chunks`) in one prefill (forwards grouped as
+        `prefill_split_tokens` says, like whole prompts); the rows whose prompt is in join the
+        decoding rows in the slots they hold. If the prefill fails, each row's chunk is retried
+        alone, so a bad one fails alone."""
+        taken = self._take_chunks(decoded)
         t0 = time.perf_counter()
         rows = [row for row, _ in taken]
         states = [row.generator.bit_generator.state for row in rows]
@@ -624,8 +629,6 @@ class Engine:
         r, k = step.drafts.tokens.shape
         chunks = fold(r, k + 1) if fold is not None else None
         carried = chunks is not None
-        if chunks is not None:
-            self._planned_chunk_step = chunks.planned_seconds
         out = self._verify(step, timer, chunks)
         if chunks is not None and not self._pick_folded(chunks):
             chunks = None  # they go in a prefill of their own after the decode

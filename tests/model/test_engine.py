@@ -699,18 +699,23 @@ def test_a_steps_chunks_are_held_to_the_streams_usual_step() -> None:
     assert engine._chunk_budget(3, 5) == n
 
 
+def _decoding_two_streams(max_batch_size: int, max_new_tokens: int) -> Engine:
+    """An engine with the chunk budget measured ("auto", costs probed) and two streams decoding."""
+    engine = Engine(
+        TargetModel(tiny_target()), tiny_drafter(domino=True), mode="domino", max_batch_size=max_batch_size,
+        max_model_len=1024, max_num_batched_tokens="auto", probe_costs=True,
+    )  # fmt: skip
+    for i, prompt in enumerate(_prompts(2)):
+        engine.add_request(f"s{i}", prompt, SamplingParams(max_new_tokens=max_new_tokens))
+    while len(engine.rows) < 2:
+        engine.step()
+    return engine
+
+
 def test_a_short_prompt_goes_whole_where_the_clock_would_cut_it() -> None:
     """With the budget measured, a prompt not begun that fits in what decoding left of the budget
     goes in one step even where the step's clock allows only a quarter of it; a longer one is cut."""
-    model, drafter = tiny_target(), tiny_drafter(domino=True)
-    engine = Engine(
-        TargetModel(model), drafter, mode="domino", max_batch_size=4, max_model_len=1024,
-        max_num_batched_tokens="auto", probe_costs=True,
-    )  # fmt: skip
-    for i, prompt in enumerate(_prompts(2)):
-        engine.add_request(f"s{i}", prompt, SamplingParams(max_new_tokens=200))
-    while len(engine.rows) < 2:
-        engine.step()
+    engine = _decoding_two_streams(max_batch_size=4, max_new_tokens=200)
     budget = engine.token_budget
     assert budget is not None
     engine.recent_decode_seconds.extend([1e-6] * 32)  # the streams step fast: the clock gives the least
@@ -731,15 +736,7 @@ def test_a_short_prompt_goes_whole_where_the_clock_would_cut_it() -> None:
 def test_chunks_shrink_when_steps_carrying_them_overran_their_plan() -> None:
     """A step carrying chunks records its time over its forward as the cost models planned it; the next chunks
     are sized as if the streams stepped that much faster (the median of the last 4, within [0.5, 2])."""
-    model, drafter = tiny_target(), tiny_drafter(domino=True)
-    engine = Engine(
-        TargetModel(model), drafter, mode="domino", max_batch_size=3, max_model_len=1024,
-        max_num_batched_tokens="auto", probe_costs=True,
-    )  # fmt: skip
-    for i, prompt in enumerate(_prompts(2)):
-        engine.add_request(f"s{i}", prompt, SamplingParams(max_new_tokens=64))
-    while len(engine.rows) < 2:
-        engine.step()
+    engine = _decoding_two_streams(max_batch_size=3, max_new_tokens=64)
     assert engine.chunk_overrun == 1.0 and not engine.recent_chunk_overruns
     long = torch.randint(0, 127, (600,), generator=torch.Generator().manual_seed(3)).tolist()
     engine.add_request("long", long, SamplingParams(max_new_tokens=1))
