@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 # Verify cost relative to T = 1, used until the engine has measured its own (and always for sampling
@@ -73,13 +74,19 @@ class StepCosts:
         self.draft_n: dict[int, int] = {}
         self._recent_verify: dict[tuple[int, int], deque[float]] = {}  # the last `window` samples per cell
         self._recent_draft: dict[int, deque[float]] = {}
+        # `verify_row`'s answers until an estimate moves: the policy asks for a batch's whole row
+        # of widths every step, and most steps leave every cell's low quantile where it was.
+        self._rows: dict[tuple[int, int], np.ndarray] = {}
 
     def _observe(self, table: dict, counts: dict, samples: dict, key: object, seconds: float) -> None:
         counts[key] = counts.get(key, 0) + 1
         recent = samples.setdefault(key, deque(maxlen=self.window))
         recent.append(seconds)
         ordered = sorted(recent)
-        table[key] = ordered[int(self.quantile * (len(ordered) - 1))]
+        value = ordered[int(self.quantile * (len(ordered) - 1))]
+        if table.get(key) != value:
+            table[key] = value
+            self._rows.clear()
 
     def observe_verify(self, batch: int, tokens: int, seconds: float) -> None:
         self._observe(self.verify_s, self.verify_n, self._recent_verify, (batch, tokens), seconds)
@@ -114,6 +121,18 @@ class StepCosts:
                 t, s = max(trusted, key=lambda ts: self.verify_n[(batch, ts[0])])
                 estimate = min(estimate, s * self._prior_ratio(batch, tokens, t))
         return min([estimate, *longer])
+
+    def verify_row(self, batch: int, widths: int) -> np.ndarray:
+        """[widths] `verify(batch, t)` for t = 1..widths, kept until an estimate moves (not kept
+        while a cell of this batch has fewer than TRUSTED_SAMPLES samples: `verify` then also
+        weighs the cells' sample counts, which change every step)."""
+        row = self._rows.get((batch, widths))
+        if row is not None:
+            return row
+        row = np.array([self.verify(batch, t) for t in range(1, widths + 1)])
+        if all(n >= TRUSTED_SAMPLES for (b, _), n in self.verify_n.items() if b == batch):
+            self._rows[(batch, widths)] = row
+        return row
 
     def _verify_estimate(self, batch: int, tokens: int) -> float:
         if (batch, tokens) in self.verify_s:
@@ -190,30 +209,33 @@ class AcceptanceCalibration:
         self.bins = bins
         self.prior_weight = prior_weight
         self.decay = decay
-        self.reached = torch.zeros(bins, dtype=torch.float64)
-        self.accepted = torch.zeros(bins, dtype=torch.float64)
+        # Host arrays: the policy's arithmetic is a few dozen numbers per step, where a torch op's
+        # dispatch costs more than the op (NumPy throughout the policy, issue 54).
+        self.reached = np.zeros(bins)
+        self.accepted = np.zeros(bins)
 
-    def _bin(self, confidence: torch.Tensor) -> torch.Tensor:
-        return (confidence.double().clamp(0, 1) * self.bins).long().clamp_max(self.bins - 1)
+    def _bin(self, confidence: np.ndarray) -> np.ndarray:
+        return np.minimum((np.clip(confidence.astype(np.float64), 0, 1) * self.bins).astype(np.int64), self.bins - 1)
 
-    def observe(self, confidence: torch.Tensor, num_drafts: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe(self, confidence: np.ndarray, num_drafts: np.ndarray, accepted: np.ndarray) -> None:
         """confidence [R, k] of the verified slots, num_drafts [R] verified per row, accepted [R]."""
-        if confidence.numel() == 0:
+        if confidence.size == 0:
             return
-        confidence, num_drafts, accepted = confidence.cpu(), num_drafts.cpu(), accepted.cpu()
-        slot = torch.arange(confidence.shape[1])[None, :]
+        slot = np.arange(confidence.shape[1])[None, :]
         reached = (slot < num_drafts[:, None]) & (slot <= accepted[:, None])
         hit = slot < accepted[:, None]
         bins = self._bin(confidence)[reached]
-        self.reached.mul_(self.decay).index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64))
-        self.accepted.mul_(self.decay).index_add_(0, bins, hit[reached].double())
+        self.reached *= self.decay
+        self.reached += np.bincount(bins, minlength=self.bins)
+        self.accepted *= self.decay
+        self.accepted += np.bincount(bins, weights=hit[reached].astype(np.float64), minlength=self.bins)
 
-    def calibrate(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Estimated acceptance probability for each confidence (same shape and device)."""
-        raw = confidence.cpu().double()
+    def calibrate(self, confidence: np.ndarray) -> np.ndarray:
+        """Estimated acceptance probability for each confidence (same shape and dtype)."""
+        raw = confidence.astype(np.float64)
         b = self._bin(raw)
         rate = (self.accepted[b] + self.prior_weight * raw) / (self.reached[b] + self.prior_weight)
-        return rate.to(device=confidence.device, dtype=confidence.dtype)
+        return rate.astype(confidence.dtype)
 
 
 class NgramAcceptance:
@@ -227,14 +249,14 @@ class NgramAcceptance:
     def __init__(self, max_n: int, max_slots: int, prior_weight: float = 2.0, decay: float = 0.99) -> None:
         self.prior_weight = prior_weight
         self.decay = decay
-        self.reached = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
-        self.accepted = torch.zeros(max_n + 1, max_slots, dtype=torch.float64)
+        self.reached = np.zeros((max_n + 1, max_slots))
+        self.accepted = np.zeros((max_n + 1, max_slots))
 
     def fade(self, factor: float) -> None:
         """Age the evidence without new observations (estimates drift back to their prior, so a
         match length that once failed is tried again later)."""
-        self.reached.mul_(factor)
-        self.accepted.mul_(factor)
+        self.reached *= factor
+        self.accepted *= factor
 
     def observe(self, match_len: int, verified: int, accepted: int) -> None:
         """One verify step of one row: `verified` n-gram drafts, the first `accepted` accepted."""
@@ -245,9 +267,7 @@ class NgramAcceptance:
         self.reached[match_len, :reached] += 1
         self.accepted[match_len, :accepted] += 1
 
-    def estimate(
-        self, match_len: int, slots: int, prior: torch.Tensor | float, fade: float | None = None
-    ) -> torch.Tensor:
+    def estimate(self, match_len: int, slots: int, prior: np.ndarray | float, fade: float | None = None) -> np.ndarray:
         """Per-slot acceptance estimates [slots] for a match of length `match_len`; prior [slots] or a
         number. `fade`: as if `fade(fade)` had been called first (a query that leaves the record as it is)."""
         reached, acc = self.reached[match_len, :slots], self.accepted[match_len, :slots]

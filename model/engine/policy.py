@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from model.engine.costs import (
     NGRAM_PRIOR,
@@ -116,11 +115,11 @@ class DraftPolicy:
             return False
         return self.plain_probes.get(batch, 0) < TRUSTED_SAMPLES
 
-    def copy_estimates(self, rows: Sequence[Row], copies: Proposal | None, width: int) -> list[torch.Tensor | None]:
+    def copy_estimates(self, rows: Sequence[Row], copies: Proposal | None, width: int) -> list[np.ndarray | None]:
         """Each row's n-gram copy's expected acceptance per slot: greedy rows shrink their own record
         towards the engine-wide one (as aged by this step, `observe`); sampling rows use their own
         record only, so a seeded row decides the same in any batch."""
-        out: list[torch.Tensor | None] = []
+        out: list[np.ndarray | None] = []
         fade = NGRAM_FADE if width else None
         for i, row in enumerate(rows):
             record = row.ngram_acceptance
@@ -134,7 +133,7 @@ class DraftPolicy:
                 est = record.estimate(n, slots, self.ngram_prior)
             else:
                 est = record.estimate(n, slots, self.ngram_acceptance.estimate(n, slots, self.ngram_prior, fade))
-            out.append(est.float())
+            out.append(est.astype(np.float32))
         return out
 
     def drafter_rows(self, step: DecodeStep) -> tuple[int, int] | None:
@@ -178,7 +177,7 @@ class DraftPolicy:
             choice.drafter_used = max([choice.counts[i] for i in range(a, b) if not choice.use_ngram[i]], default=0)
         return choice
 
-    def forecast(self, rows: Sequence[Row], d: int) -> torch.Tensor:
+    def forecast(self, rows: Sequence[Row], d: int) -> np.ndarray:
         """[R, d] the confidences expected of the drafter's next block for `rows`: each row's own at
         its last block (slots past it, and rows with none yet, from the recent average of all
         rows; a seeded row's from a constant, so that it decides the same in any batch)."""
@@ -189,7 +188,7 @@ class DraftPolicy:
             if own is not None:
                 n = min(d, own.shape[0])
                 out[i, :n] = own[:n]
-        return torch.from_numpy(out)
+        return out
 
     def _choose_fixed(self, d: int, in_span: list[bool], copy_len: list[int], budgets: list[int]) -> StepChoice:
         """The drafter's block wherever it runs, cut on the device at the first draft below the
@@ -204,7 +203,7 @@ class DraftPolicy:
         return choice
 
     def _choose_seeded_rows(
-        self, choice: StepChoice, step: DecodeStep, conf: torch.Tensor, in_span: list[bool], seeded: list[bool]
+        self, choice: StepChoice, step: DecodeStep, conf: np.ndarray, in_span: list[bool], seeded: list[bool]
     ) -> None:
         """Seeded sampling rows, by a row-local rule on the prior curve: the count of each proposer
         comes from the row's forecast (`stopping_drafts`), the choice between them from the copy's
@@ -215,18 +214,18 @@ class DraftPolicy:
                 continue
             n_count, rate_n = 0, 0.0
             if est is not None:
-                n_count = int(stopping_drafts(est[None], torch.tensor([est.shape[0]]), 0.0, self.prior)[0])
-                rate_n = float(prior_rate(est[None], torch.tensor([n_count]), 0.0, self.prior)[0])
+                n_count = int(stopping_drafts(est[None], np.array([est.shape[0]]), 0.0, self.prior)[0])
+                rate_n = float(prior_rate(est[None], np.array([n_count]), 0.0, self.prior)[0])
             if in_span[i]:
                 c = conf[i - a]
                 budget = step.budgets[i]
-                geometric = c[:1].expand(c.shape[0])[None]
-                g_count = stopping_drafts(geometric, torch.tensor([budget]), 0.0, self.prior)
+                geometric = np.broadcast_to(c[:1], c.shape)[None]
+                g_count = stopping_drafts(geometric, np.array([budget]), 0.0, self.prior)
                 rate_d = float(prior_rate(geometric, g_count, 0.0, self.prior)[0])
                 if est is not None and n_count > 0 and rate_n > rate_d:
                     choice.counts[i], choice.use_ngram[i] = n_count, True
                 else:
-                    choice.counts[i] = int(stopping_drafts(c[None], torch.tensor([budget]), curve=self.prior)[0])
+                    choice.counts[i] = int(stopping_drafts(c[None], np.array([budget]), curve=self.prior)[0])
             elif n_count > 0:
                 choice.counts[i], choice.use_ngram[i] = n_count, True
 
@@ -234,7 +233,7 @@ class DraftPolicy:
         self,
         choice: StepChoice,
         step: DecodeStep,
-        conf: torch.Tensor,
+        conf: np.ndarray,
         copy_len: list[int],
         drafted: bool,
         seeded: list[bool],
@@ -246,24 +245,24 @@ class DraftPolicy:
             return
         r, d = len(step.rows), conf.shape[1]
         width = max([d, *copy_len])
-        budget_t = torch.tensor(step.budgets)
-        gain_d = torch.zeros(r, width + 1, dtype=torch.float64)
+        gain_d = np.zeros((r, width + 1))
         a, b = step.draft_span
         if drafted:
-            greedy_span = torch.tensor(step.greedy_rows[a:b])[:, None]
-            calibrated = torch.where(
+            greedy_span = np.array(step.greedy_rows[a:b])[:, None]
+            calibrated = np.where(
                 greedy_span, self.calibration.calibrate(conf), self.sampling_calibration.calibrate(conf)
-            ).double()
-            gain_d[a:b] = capped_gain(expected_accepted(calibrated), width, budget_t[a:b])
+            ).astype(np.float64)
+            expected = expected_accepted(calibrated)
+            gain_d[a:b] = capped_gain(expected, width, np.array(step.budgets[a:b]))
             # What the drafter is expected to add per row at full width (`observe` keeps its average:
             # rows whose copy promises more skip the next drafter forward, `drafter_rows`).
-            choice.drafter_gain = float(expected_accepted(calibrated)[:, -1].mean())
-        gain_n = torch.zeros(r, width + 1, dtype=torch.float64)
+            choice.drafter_gain = float(expected[:, -1].mean())
+        gain_n = np.zeros((r, width + 1))
         for i, est in enumerate(step.copy_accept):
             if est is not None:
-                gain_n[i] = capped_gain(expected_accepted(est[None].double()), width, torch.tensor([width]))[0]
+                gain_n[i] = capped_gain(expected_accepted(est[None].astype(np.float64)), width, np.array([width]))[0]
         draft_cost = self.costs.draft(b - a) if drafted else 0.0
-        best = torch.maximum(gain_d[idx], gain_n[idx])
+        best = np.maximum(gain_d[idx], gain_n[idx])
         shared, _rate = best_shared_width(best, self.costs, draft_cost)
         # Seeded rows may widen the forward: the others use the padded width for free.
         k = max([shared, *choice.counts])
@@ -310,7 +309,7 @@ class DraftPolicy:
         confidence = results.confidence
         assert confidence is not None  # the engine checks every proposal for it (`Engine._draft`)
         a, b = step.draft_span
-        host = confidence.numpy()
+        host = confidence
         for i in range(a, b):
             step.rows[i].draft_confidence = host[i - a]
         d = host.shape[1]
@@ -324,9 +323,9 @@ class DraftPolicy:
         for greedy, calibration in ((True, self.calibration), (False, self.sampling_calibration)):
             mine = [i for i in range(a, b) if step.greedy_rows[i] == greedy and not step.choice.use_ngram[i]]
             if mine:
-                rows = torch.tensor([i - a for i in mine])
-                counts = torch.tensor([results.counts[i] for i in mine])
-                accepted = torch.tensor([results.accepted[i] for i in mine])
+                rows = np.array([i - a for i in mine])
+                counts = np.array([results.counts[i] for i in mine])
+                accepted = np.array([results.accepted[i] for i in mine])
                 calibration.observe(confidence[rows, : min(k, d)], counts, accepted)
 
     def _adapt_drafting(self, used: int, d: int, full: bool) -> None:
@@ -354,31 +353,28 @@ class DraftPolicy:
             self.draft_width = max(1, self.draft_width - 1)
 
 
-def expected_accepted(confidence: torch.Tensor) -> torch.Tensor:
+def expected_accepted(confidence: np.ndarray) -> np.ndarray:
     """E_r(k) for k = 0..D from per-slot confidences [R, D]: returns [R, D + 1]."""
-    survive = confidence.clamp(0, 1).cumprod(-1)
-    zeros = torch.zeros(confidence.shape[0], 1, dtype=survive.dtype, device=survive.device)
-    return torch.cat([zeros, survive.cumsum(-1)], dim=-1)
+    survive = np.clip(confidence, 0, 1).cumprod(-1)
+    return np.concatenate([np.zeros((confidence.shape[0], 1), dtype=survive.dtype), survive.cumsum(-1)], axis=-1)
 
 
-def capped_gain(gain: torch.Tensor, width: int, limit: torch.Tensor) -> torch.Tensor:
+def capped_gain(gain: np.ndarray, width: int, limit: np.ndarray) -> np.ndarray:
     """E_r(min(k, limit_r)) for k = 0..width from gains [R, D + 1]: [R, width + 1]."""
-    ks = torch.arange(width + 1, device=gain.device)
-    idx = torch.minimum(ks[None, :], limit[:, None].clamp(0, gain.shape[1] - 1))
-    return gain.gather(1, idx)
+    idx = np.minimum(np.arange(width + 1)[None, :], np.clip(limit, 0, gain.shape[1] - 1)[:, None])
+    return gain[np.arange(gain.shape[0])[:, None], idx]
 
 
-def best_shared_width(gain: torch.Tensor, costs: StepCosts, draft_cost: float) -> tuple[int, float]:
+def best_shared_width(gain: np.ndarray, costs: StepCosts, draft_cost: float) -> tuple[int, float]:
     """The shared verify width k with the highest expected token rate given each row's expected
     accepted drafts at width k, gain [R, W + 1] (already capped by budget and proposal length)."""
     r, w1 = gain.shape
-    tokens = (r + gain.sum(0)).tolist()
-    rates = [tokens[k] / (draft_cost + costs.verify(r, k + 1)) for k in range(w1)]
-    best = max(range(w1), key=lambda k: rates[k])
-    return best, rates[best]
+    rates = (r + gain.sum(0)) / (draft_cost + costs.verify_row(r, w1))
+    best = int(np.argmax(rates))  # the first of equals: the narrowest
+    return best, float(rates[best])
 
 
-def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: StepCosts) -> tuple[int, float]:
+def best_shared_drafts(confidence: np.ndarray, budget: np.ndarray, costs: StepCosts) -> tuple[int, float]:
     """The draft count k (shared by the batch) with the highest expected token rate, and that rate."""
     r, d = confidence.shape
     gain = capped_gain(expected_accepted(confidence), d, budget)  # a row can't use more than its budget
@@ -386,20 +382,20 @@ def best_shared_drafts(confidence: torch.Tensor, budget: torch.Tensor, costs: St
 
 
 def prior_rate(
-    confidence: torch.Tensor, count: torch.Tensor, draft_cost: float, curve: VerifyCurve = PRIOR_VERIFY_CURVE
-) -> torch.Tensor:
+    confidence: np.ndarray, count: np.ndarray, draft_cost: float, curve: VerifyCurve = PRIOR_VERIFY_CURVE
+) -> np.ndarray:
     """Expected tokens per unit of prior batch-1 step cost [R] when verifying count [R] drafts."""
-    gain = expected_accepted(confidence).gather(1, count[:, None].long()).squeeze(1)
-    cost = torch.tensor([draft_cost + prior_verify(int(k) + 1, curve) for k in count.tolist()], dtype=gain.dtype)
-    return (1 + gain) / cost.to(gain.device)
+    gain = expected_accepted(confidence)[np.arange(confidence.shape[0]), count.astype(np.int64)]
+    cost = np.array([draft_cost + prior_verify(int(k) + 1, curve) for k in count])
+    return (1 + gain) / cost
 
 
 def stopping_drafts(
-    confidence: torch.Tensor,
-    budget: torch.Tensor,
+    confidence: np.ndarray,
+    budget: np.ndarray,
     draft_cost: float = PRIOR_DRAFT_FRACTION,
     curve: VerifyCurve = PRIOR_VERIFY_CURVE,
-) -> torch.Tensor:
+) -> np.ndarray:
     """Per-row draft count by a stopping rule, for sampling rows.
 
     Slot i is verified only while the expected rate (prior batch-1 costs) does not drop by adding
@@ -409,7 +405,7 @@ def stopping_drafts(
     """
     r, d = confidence.shape
     gain = expected_accepted(confidence)  # [R, D + 1]
-    cost = torch.tensor([draft_cost + prior_verify(k + 1, curve) for k in range(d + 1)], dtype=gain.dtype)
-    rate = (1 + gain) / cost.to(gain.device)
-    keeps_paying = (rate[:, 1:] >= rate[:, :-1]).long().cumprod(-1)
-    return torch.minimum(keeps_paying.sum(-1), budget.clamp_min(0))
+    cost = np.array([draft_cost + prior_verify(k + 1, curve) for k in range(d + 1)])
+    rate = (1 + gain) / cost
+    keeps_paying = (rate[:, 1:] >= rate[:, :-1]).astype(np.int64).cumprod(-1)
+    return np.minimum(keeps_paying.sum(-1), np.maximum(budget, 0))

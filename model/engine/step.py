@@ -97,7 +97,7 @@ class StepResults:
     counts: list[int]  # drafts verified
     new_tokens: list[list[int]] = field(default_factory=list)  # accepted drafts + bonus
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
-    confidence: torch.Tensor | None = None  # [b - a, d] the drafter's confidences (float32), if it ran
+    confidence: np.ndarray | None = None  # [b - a, d] the drafter's confidences (float32), if it ran
     extra: list[int] = field(default_factory=list)  # the first tokens of the prompt chunks it carried
 
     @classmethod
@@ -122,18 +122,18 @@ class StepResults:
             parts.append(padded)
         matrix = torch.cat(parts, dim=1)
         tail = extra.double() if extra is not None else matrix.new_zeros(0)
-        flat = torch.cat([matrix.flatten(), tail]).cpu()
-        host = flat[: matrix.numel()].view(matrix.shape)
+        flat = torch.cat([matrix.flatten(), tail]).cpu().numpy()
+        host = flat[: matrix.numel()].reshape(matrix.shape)
         w = ints.shape[1]
-        rows = host[:, :w].long().tolist()
-        conf = host[: confidence.shape[0], w:].float() if confidence is not None else None
+        rows = host[:, :w].astype(np.int64).tolist()
+        conf = host[: confidence.shape[0], w:].astype(np.float32) if confidence is not None else None
         return cls(
             accepted=[h[0] for h in rows],
             bonus=[h[1] for h in rows],
             counts=[h[2] for h in rows],
             new_tokens=[h[3 : 3 + h[0]] + [h[1]] for h in rows],
             confidence=conf,
-            extra=flat[matrix.numel() :].long().tolist(),
+            extra=flat[matrix.numel() :].astype(np.int64).tolist(),
         )
 
 

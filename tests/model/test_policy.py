@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from model.engine.costs import AcceptanceCalibration, StepCosts
@@ -50,41 +51,41 @@ def test_stalls_on_a_shared_machine_do_not_move_a_cost_estimate() -> None:
 
 def test_calibration_learns_over_confidence() -> None:
     cal = AcceptanceCalibration(bins=10, prior_weight=8.0, decay=1.0)
-    conf = torch.full((4, 3), 0.95)
+    conf = np.full((4, 3), 0.95, dtype=np.float32)
     # Untrained: the raw confidence stands.
-    assert torch.allclose(cal.calibrate(conf), conf)
+    assert np.allclose(cal.calibrate(conf), conf)
     # 200 rows: slot 0 accepted 10 % of the time; later slots reached only after an acceptance.
     for step in range(50):
-        accepted = torch.tensor([1 if (step * 4 + r) % 10 == 0 else 0 for r in range(4)])
-        cal.observe(conf, torch.full((4,), 3), accepted)
-    est = float(cal.calibrate(torch.tensor([[0.95]]))[0, 0])
+        accepted = np.array([1 if (step * 4 + r) % 10 == 0 else 0 for r in range(4)])
+        cal.observe(conf, np.full(4, 3), accepted)
+    est = float(cal.calibrate(np.array([[0.95]], dtype=np.float32))[0, 0])
     assert 0.08 < est < 0.2, est
     # Bins that saw nothing keep the raw value.
-    assert abs(float(cal.calibrate(torch.tensor([[0.35]]))[0, 0]) - 0.35) < 1e-6
+    assert abs(float(cal.calibrate(np.array([[0.35]], dtype=np.float32))[0, 0]) - 0.35) < 1e-6
     # Only reached slots count: 200 rows reached slot 0, 20 reached slot 1 (all rejected there).
     assert abs(float(cal.reached.sum()) - 220) < 1e-9 and abs(float(cal.accepted.sum()) - 20) < 1e-9
 
 
 def test_calibration_keeps_a_well_calibrated_drafter_and_fades_old_evidence() -> None:
     cal = AcceptanceCalibration(bins=10, prior_weight=8.0, decay=0.9)
-    gen = torch.Generator().manual_seed(0)
+    gen = np.random.default_rng(0)
     for _ in range(300):
-        conf = torch.full((8, 1), 0.75)
-        accepted = (torch.rand(8, generator=gen) < 0.75).long()
-        cal.observe(conf, torch.ones(8, dtype=torch.long), accepted)
-    assert abs(float(cal.calibrate(torch.tensor([[0.75]]))[0, 0]) - 0.75) < 0.1
+        conf = np.full((8, 1), 0.75, dtype=np.float32)
+        accepted = (gen.random(8) < 0.75).astype(np.int64)
+        cal.observe(conf, np.ones(8, dtype=np.int64), accepted)
+    assert abs(float(cal.calibrate(np.array([[0.75]], dtype=np.float32))[0, 0]) - 0.75) < 0.1
     # With decay 0.9 the total weight stays bounded (about 8 / (1 - 0.9)), so new traffic wins quickly.
     assert float(cal.reached.sum()) < 100
 
 
 def test_calibrated_confidence_turns_drafting_off_when_it_does_not_pay() -> None:
     costs = StepCosts()
-    conf = torch.full((1, 4), 0.9)
-    budget = torch.tensor([100])
+    conf = np.full((1, 4), 0.9, dtype=np.float32)
+    budget = np.array([100])
     assert best_shared_drafts(conf, budget, costs)[0] > 0
     cal = AcceptanceCalibration(decay=1.0)
     for _ in range(100):
-        cal.observe(conf, torch.tensor([4]), torch.tensor([0]))
+        cal.observe(conf, np.array([4]), np.array([0]))
     assert best_shared_drafts(cal.calibrate(conf), budget, costs)[0] == 0
 
 
@@ -134,8 +135,8 @@ def test_prior_curve_follows_where_the_target_runs() -> None:
     assert prior_curve_for("cpu", torch.float32) is CPU_FP32_VERIFY_CURVE
     assert prior_curve_for("cpu", torch.bfloat16) is CPU_BF16_VERIFY_CURVE
     assert prior_curve_for("cuda:0", torch.float32) is BANDWIDTH_BOUND_VERIFY_CURVE
-    confidence = torch.full((1, 8), 0.6)
-    budget = torch.tensor([8])
+    confidence = np.full((1, 8), 0.6)
+    budget = np.array([8])
     on_cpu_fp32 = int(stopping_drafts(confidence, budget, curve=CPU_FP32_VERIFY_CURVE)[0])
     bandwidth_bound = int(stopping_drafts(confidence, budget, curve=BANDWIDTH_BOUND_VERIFY_CURVE)[0])
     assert bandwidth_bound > on_cpu_fp32 >= 1
@@ -256,7 +257,7 @@ def test_costs_measured_at_start_up_are_interpolated_between_the_cells() -> None
         for _ in range(3):
             prior_only.observe_verify(1, t, gpu(1, t))
     assert prior_only.verify(16, 17) > 5 * gpu(16, 17)
-    confidence, budget = torch.full((16, 16), 0.8), torch.full((16,), 100)
+    confidence, budget = np.full((16, 16), 0.8), np.full(16, 100)
     wide, _ = best_shared_drafts(confidence, budget, seeded)
     narrow, _ = best_shared_drafts(confidence, budget, prior_only)
     assert wide > narrow + 2, (wide, narrow)
