@@ -143,9 +143,16 @@ class ModelRunner:
         return steps
 
     def static_verify(self, tokens: torch.Tensor, span: int) -> tuple[torch.Tensor, ...]:
-        """The body of a static verify bucket: slots 0..R-1, fixed shapes, nothing read back."""
+        """The body of a static verify bucket: slots 0..R-1, fixed shapes, nothing read back. With a
+        drafter, the drafter's context of every verified position is written too (at each row's
+        draft length; acceptance then only moves the lengths): on a GPU that projection is dozens
+        of small kernels the graph launches at once instead of the host after every step."""
         out = self.target.forward(self.cache, 0, tokens, want_features=self.want_features, span=span, taps=self.taps)
-        return (out.logits,) if out.features is None else (out.logits, out.features)
+        if out.features is None:
+            return (out.logits,)
+        if self.drafter is not None and self.draft_cache is not None:
+            self.drafter.write_context(self.draft_cache, 0, out.features)
+        return out.logits, out.features
 
     @property
     def draft_vocab_ids(self) -> torch.Tensor | None:
@@ -160,7 +167,8 @@ class ModelRunner:
         if self.static is not None and lo == 0:
             out = self.static.run_verify(tokens, max(self.cache.host_lengths[: tokens.shape[0]]))
             if out is not None:
-                return TargetOutput(out[0], out[1] if len(out) > 1 else None)
+                features = out[1] if len(out) > 1 else None
+                return TargetOutput(out[0], features, drafter_context=self.drafter is not None)
         return self.target.forward(self.cache, lo, tokens, want_features=self.want_features, taps=self.taps)
 
     def verify_packed(self, lo: int, tokens: torch.Tensor, groups: list[RowGroup]) -> list[TargetOutput]:
@@ -176,7 +184,10 @@ class ModelRunner:
         The drafter's context first, rolled back if it fails: the target cache then moves only once
         nothing can fail, so a retry of this step (step() retries row by row) starts where it did."""
         counts = [a + 1 for a in host_accepted]
-        if self.drafter is not None:
+        if out.drafter_context:
+            assert self.draft_cache is not None
+            self.draft_cache.advance(lo, accepted + 1, counts)
+        elif self.drafter is not None:
             assert self.draft_cache is not None and out.features is not None
             draft_lengths = self.draft_cache.host_lengths[lo:hi]
             try:

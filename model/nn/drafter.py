@@ -387,6 +387,13 @@ class Drafter(nn.Module):
     ) -> None:
         """Append newly committed tokens' features [R, T, K*H] (counts[r] <= T valid; `host_counts`
         the same on the host) to slots lo..lo+R-1 at each row's current length."""
+        self.write_context(cache, lo, features)
+        cache.advance(lo, counts, host_counts)
+
+    def write_context(self, cache: DraftContextCache, lo: int, features: torch.Tensor) -> None:
+        """The context keys and values of features [R, T, K*H] written at slots lo..lo+R-1's next T
+        positions, the rows' lengths unchanged: fixed shapes, nothing read back (a static verify
+        runs it inside its captured function, before acceptance says how many count)."""
         r, t, _ = features.shape
         start = cache.starts(lo, r)
         positions = start[:, None] + torch.arange(t, device=features.device)[None, :]
@@ -394,7 +401,6 @@ class Drafter(nn.Module):
         index = cache.scatter_index(lo, start, t)
         for i, (k, v) in enumerate(self.context_keys_values(context, positions)):
             cache.write(i, index, k, v)
-        cache.advance(lo, counts, host_counts)
 
     def forward_block(
         self,

@@ -36,6 +36,9 @@ class TargetOutput:
     logits: torch.Tensor  # [R, T, V] (or [R, 1, V] when only the last position was asked for)
     features: torch.Tensor | None  # [R, T, K*H] concatenated taps, when taps are set
     hidden: torch.Tensor | None = None  # [R, T, H] final hidden states, with keep_hidden (prompt logprobs)
+    # The drafter's context keys and values of these T positions are written already (a static
+    # verify writes them in its captured function): accepting them only moves the lengths.
+    drafter_context: bool = False
 
 
 @dataclass

@@ -36,18 +36,20 @@ def test_host_lengths_mirror_the_device_after_every_step(static_shapes: bool) ->
         draft_policy="fixed", prefix_cache_tokens=256, static_shapes=static_shapes, kv_block_size=4,
     )  # fmt: skip
     assert engine.drafter is not None
-    real_append = engine.drafter.append_context
+    # The drafter's context write: a decode step's append on the dynamic path, inside the verify's
+    # function on the static one (and a prefill's on both).
+    real_write = engine.drafter.write_context
     calls = 0
 
-    def flaky_append(*args: Any, **kwargs: Any) -> None:
+    def flaky_write(*args: Any, **kwargs: Any) -> None:
         nonlocal calls
         calls += 1
-        if calls in (4, 9):  # a decode step's append, after part of its write
-            real_append(*args, **kwargs)
-            raise RuntimeError("drafter append failed")
-        real_append(*args, **kwargs)
+        if calls in (4, 9):  # a decode step's write, after part of it
+            real_write(*args, **kwargs)
+            raise RuntimeError("drafter context write failed")
+        real_write(*args, **kwargs)
 
-    engine.drafter.append_context = flaky_append  # type: ignore[method-assign]
+    engine.drafter.write_context = flaky_write  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(5)
     system = torch.randint(3, 120, (13,), generator=g).tolist()
     prompts = [system + torch.randint(3, 120, (n,), generator=g).tolist() for n in (2, 7, 1, 11, 4, 3)]

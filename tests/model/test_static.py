@@ -137,6 +137,28 @@ def test_static_seeded_sampling_same_as_dynamic() -> None:
         assert [t for t, _, _ in static] == [t for t, _, _ in dynamic]
 
 
+def test_static_verify_writes_the_drafters_context_as_the_dynamic_append() -> None:
+    """A static verify writes the drafter's context of its positions inside the bucket's function
+    (acceptance then only moves the lengths): after the same greedy steps, every live row's
+    drafter context in the static engine holds what the dynamic path's append wrote."""
+    model = tiny_target()
+    prompts = _prompts(3)
+    engines = [_engine(model, "domino", 3, static=static, draft_policy="fixed") for static in (False, True)]
+    for engine in engines:
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        for _ in range(6):
+            engine.step()
+    dynamic, static = engines
+    assert static.draft_cache is not None and dynamic.draft_cache is not None
+    lengths = static.draft_cache.host_lengths[:3]
+    assert lengths == dynamic.draft_cache.host_lengths[:3] and sum(lengths) >= sum(map(len, prompts)) + 12
+    for slot, n in enumerate(lengths):
+        torch.testing.assert_close(
+            static.draft_cache.row_kv(slot, 0, n), dynamic.draft_cache.row_kv(slot, 0, n), rtol=1e-4, atol=1e-5
+        )
+
+
 class HostReads(TorchDispatchMode):
     """Counts ops that read a device value back to the host (.item(), int(t), bool(t), ...)."""
 
