@@ -213,10 +213,11 @@ def probe_chunk_budget(
             if far >= 2 * context:
                 # Per token: (late - near) / FIRST_CHUNK over (far - context) positions, relative
                 # to a token's own cost after `context` (the 64-128 line's slope).
+                # A noisy pair of chunks with no slope between them says nothing of growth: none.
                 per_token = (probe.chunk[2 * FIRST_CHUNK] - probe.chunk[FIRST_CHUNK]) / FIRST_CHUNK
                 extra = (late - probe.chunk[FIRST_CHUNK]) / FIRST_CHUNK
-                if per_token > 0:
-                    probe.far, probe.growth = far, max(0.0, extra / per_token / (far - context))
+                probe.far = far
+                probe.growth = max(0.0, extra / per_token / (far - context)) if per_token > 0 else 0.0
         n = FIRST_CHUNK
         while n <= most:
             if n not in probe.chunk:
