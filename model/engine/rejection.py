@@ -75,55 +75,55 @@ def accept(
 
     Greedy rows accept while the draft is the argmax; sampling rows run the speculative-sampling
     test with the row's uniforms (`step.draws`: one per test, one for the final token), against the
-    drafter's distributions where it drafted and a one-hot for copies. Which rows are greedy is known
-    on the host, so no device read decides which branch runs."""
+    drafter's distributions where it drafted and a one-hot for copies. Both tests run over every
+    row and each row takes its kind's result: fixed shapes, no gather of rows by kind and no device
+    read (which a CUDA graph could not hold); a batch of one kind, known on the host, skips the
+    other's work."""
     drafts, sampling = step.drafts, step.sampling
     assert drafts is not None
     choice = drafts.choice
     r, k = drafts.tokens.shape
-    dev = scores.device
-    if len(drafts.greedy_rows) == r:  # all greedy: no scatter into place
+    if len(drafts.greedy_rows) == r:
         return verify_greedy(scores, drafts.tokens, drafts.counts)
-    accepted = torch.zeros(r, dtype=torch.long, device=dev)
-    bonus = torch.zeros(r, dtype=torch.long, device=dev)
-    if drafts.greedy_rows:
-        g = drafts.greedy_index
-        accepted[g], bonus[g] = verify_greedy(scores[g], drafts.tokens[g], drafts.counts[g])
-    s, rows = drafts.sampled_index, drafts.sampled_rows
-    params = None if sampling.host_params is None else [sampling.host_params[i] for i in rows]
-    p = processed_probs(scores[s], sampling.temperature[s], sampling.top_k[s], sampling.top_p[s], params)
-    uniforms = step.uniforms[s]
-    dists = draft_dists(step.draft, rows, s, step.draft_span, k)
+    rows = drafts.sampled_rows
+    dists = draft_dists(step.draft, r, step.draft_span, k)
     if dists is None and any(choice.counts[i] and not choice.use_ngram[i] for i in rows):
         raise ValueError("sampling rows that verify the drafter's drafts need its distributions")
-    accepted[s], bonus[s] = verify_sampling(
+    # Greedy rows go through the sampling test at temperature 1 (their result is replaced); whether
+    # top-k/top-p run is the sampling rows' call.
+    temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    params = None if sampling.host_params is None else [sampling.host_params[i] for i in rows]
+    p = processed_probs(scores, temperature, sampling.top_k, sampling.top_p, params)
+    accepted, bonus = verify_sampling(
         p,
-        drafts.tokens[s],
-        drafts.token_probs[s],
+        drafts.tokens,
+        drafts.token_probs,
         dists,
-        drafts.counts[s],
-        step.draws.acceptance_tests(uniforms, k),
-        step.draws.final_token(uniforms),
+        drafts.counts,
+        step.draws.acceptance_tests(step.uniforms, k),
+        step.draws.final_token(step.uniforms),
         draft_vocab_ids,
-        onehot=drafts.from_ngram[s] if any(choice.use_ngram[i] for i in rows) else None,
+        onehot=drafts.from_ngram if any(choice.use_ngram[i] for i in rows) else None,
     )
+    if drafts.greedy_rows:
+        greedy_accepted, greedy_bonus = verify_greedy(scores, drafts.tokens, drafts.counts)
+        greedy = sampling.greedy
+        accepted = torch.where(greedy, greedy_accepted, accepted)
+        bonus = torch.where(greedy, greedy_bonus, bonus)
     return accepted, bonus
 
 
-def draft_dists(
-    draft: Proposal | None, idx: list[int], s: torch.Tensor, span: tuple[int, int], k: int
-) -> torch.Tensor | None:
-    """The drafter's distributions [S, k, Vd] for sampling rows idx (on the device: s); rows it did
-    not draft get zeros."""
+def draft_dists(draft: Proposal | None, rows: int, span: tuple[int, int], k: int) -> torch.Tensor | None:
+    """The drafter's distributions [rows, k, Vd] for every row of the step (the drafter drafted rows
+    span[0]..span[1]-1; the others get zeros), or None when it gave none."""
     if draft is None or draft.draft_probs is None or k == 0:
         return None
     a, b = span
-    d = draft.tokens.shape[1]
-    if k <= d and all(a <= i < b for i in idx):
-        return draft.draft_probs[s - a, :k]
-    full = draft.draft_probs.new_zeros(len(idx), k, draft.draft_probs.shape[-1])
+    probs = draft.draft_probs
+    d = probs.shape[1]
+    if a == 0 and b == rows and k <= d:
+        return probs[:, :k]
+    full = probs.new_zeros(rows, k, probs.shape[-1])
     kd = min(k, d)
-    for j, i in enumerate(idx):
-        if a <= i < b:
-            full[j, :kd] = draft.draft_probs[i - a, :kd]
+    full[a:b, :kd] = probs[:, :kd]
     return full

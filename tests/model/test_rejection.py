@@ -142,15 +142,15 @@ def test_sampling_rows_accept_what_the_target_would_draw_and_reject_what_it_neve
 def test_draft_dists_give_rows_the_drafter_did_not_draft_zeros() -> None:
     probs = torch.rand(2, 3, V)
     draft = _draft([[1, 1, 1], [2, 2, 2]], probs)
-    idx = [0, 2, 3]  # sampling rows; the drafter drafted rows 1..2 (span 1..3)
-    s = torch.tensor(idx)
-    full = draft_dists(draft, idx, s, (1, 3), k=2)
-    assert full is not None and full.shape == (3, 2, V)
-    assert torch.equal(full[0], torch.zeros(2, V)) and torch.equal(full[2], torch.zeros(2, V))
-    assert torch.equal(full[1], probs[1, :2])
-    inside = draft_dists(draft, [1, 2], torch.tensor([1, 2]), (1, 3), k=2)
-    assert inside is not None and torch.equal(inside, probs[:, :2])
-    assert draft_dists(None, idx, s, (1, 3), k=2) is None
+    full = draft_dists(draft, 4, (1, 3), k=2)  # the drafter drafted rows 1..2 of 4
+    assert full is not None and full.shape == (4, 2, V)
+    assert torch.equal(full[0], torch.zeros(2, V)) and torch.equal(full[3], torch.zeros(2, V))
+    assert torch.equal(full[1:3], probs[:, :2])
+    wider = draft_dists(draft, 2, (0, 2), k=4)  # more drafts verified than it drafted: zeros past them
+    assert wider is not None and torch.equal(wider[:, :3], probs) and not wider[:, 3].any()
+    every = draft_dists(draft, 2, (0, 2), k=2)
+    assert every is not None and torch.equal(every, probs[:, :2])
+    assert draft_dists(None, 4, (1, 3), k=2) is None
 
 
 def test_sampling_rows_verifying_drafter_drafts_need_its_distributions() -> None:
