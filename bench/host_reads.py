@@ -220,7 +220,7 @@ class ReadCounter(TorchFunctionMode):
                 self.counts[f"{view}:{kind}"][site] += 1
 
     def _host_to_device(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        """"h2d" / "h2d_async" when the call copies host data to the device, else None: `.to(device)`
+        """ "h2d" / "h2d_async" when the call copies host data to the device, else None: `.to(device)`
         / `.cuda()` of a host tensor; `torch.tensor(data, device=...)` (and as_tensor, asarray) of
         anything but a device tensor; indexing a device tensor with a Python list, or assigning one
         into it; any other call that mixes device tensors with host tensors of one or more

@@ -154,12 +154,12 @@ def _timed_fn(fn: Callable[..., Any], probe: Probe) -> Callable[..., Any]:
     return run
 
 
-def _timed_run(run: Callable[[torch.Tensor, int], Any], probe: Probe, kind: str) -> Callable[[torch.Tensor, int], Any]:
-    def wrapped(x: torch.Tensor, positions: int) -> Any:
+def _timed_run(run: Callable[..., Any], probe: Probe, kind: str) -> Callable[..., Any]:
+    def wrapped(*args: Any) -> Any:
         if probe.timing:
             common.synchronize(probe.device)
         t0 = time.perf_counter()
-        out = run(x, positions)
+        out = run(*args)
         if probe.timing:
             probe.run_s += time.perf_counter() - t0  # the captured part synchronized at its end
         if kind == "verify":
@@ -180,7 +180,7 @@ def install_probe(engine: Engine, probe: Probe) -> None:
     assert steps is not None, "static shapes are off"
     drafting = engine.drafter_proposer
     assert drafting is None or (drafting.static is steps and engine.proposer is drafting), "drafts bypass engine.static"
-    buckets: list[StaticFunction] = [*steps.verify.values(), *steps.propose.values()]
+    buckets: list[StaticFunction] = [*steps.verify.values(), *steps.propose.values(), *steps.propose_sampled.values()]
     for bucket in buckets:
         if bucket.graph is not None:
             bucket.graph = TimedGraph(bucket.graph, probe)  # type: ignore[assignment]
@@ -188,6 +188,7 @@ def install_probe(engine: Engine, probe: Probe) -> None:
             bucket.fn = _timed_fn(bucket.fn, probe)
     steps.run_verify = _timed_run(steps.run_verify, probe, "verify")  # type: ignore[method-assign]
     steps.run_propose = _timed_run(steps.run_propose, probe, "propose")  # type: ignore[method-assign]
+    steps.run_propose_sampled = _timed_run(steps.run_propose_sampled, probe, "propose")  # type: ignore[method-assign]
 
 
 # -- one case ------------------------------------------------------------------------------------

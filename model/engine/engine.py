@@ -675,9 +675,11 @@ class Engine:
             return
         lo, rows, anchors, sampling, d = step.lo, step.rows, step.anchors, step.sampling, step.drafter_slots
         with timer.phase("draft"):
-            if self.static is not None and lo == 0 and sampling.all_greedy:
-                # Static shapes: one full block for every row (padding rows cost nothing on a GPU).
-                draft = self.proposer.propose(lo, rows, anchors, sampling, self.num_drafts).select(a, b, d)
+            if self.static is not None and lo == 0:
+                # Static shapes: a full block for every row (padding rows cost nothing on a GPU);
+                # sampling rows' uniforms cover the d slots kept.
+                slots = self.num_drafts if sampling.all_greedy else d
+                draft = self.proposer.propose(lo, rows, anchors, sampling, slots).select(a, b, d)
             else:
                 rows_ab = sampling.span(a, b)
                 draft = self.proposer.propose(lo + a, rows[a:b], anchors[a:b], rows_ab, d)

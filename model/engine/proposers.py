@@ -86,19 +86,43 @@ class DrafterProposer:
         cfg = drafter.config
         self.mask_token_id = cfg.mask_token_id if cfg.mask_token_id is not None else 0
         self.static: StaticSteps | None = None
+        # The sampling buckets' distributions [rows, D, V], one buffer for all of them (a step
+        # replays one, and its distributions are read before the next step's): `reserve_dists`.
+        self.dists: torch.Tensor | None = None
+
+    def reserve_dists(self, max_rows: int) -> None:
+        """The shared buffer of the sampling buckets' distributions, for up to `max_rows` rows."""
+        shape = (max_rows, self.num_drafts, self.drafter.config.draft_vocab)
+        self.dists = torch.empty(shape, dtype=torch.float32, device=self.device)
 
     def propose(
         self, lo: int, rows: Sequence[Row], anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int
     ) -> Proposal:
-        if self.static is not None and lo == 0 and sampling.all_greedy and num_slots == self.num_drafts:
-            longest = max(self.cache.host_lengths[: anchors.shape[0]])
-            drafted = self.static.run_propose(anchors, longest + self.drafter.config.block_size)
-            if drafted is not None:
-                return Proposal(drafted[0], drafted[1], None, drafted[2])
+        if self.static is not None and lo == 0:
+            positions = max(self.cache.host_lengths[: anchors.shape[0]]) + self.drafter.config.block_size
+            if sampling.all_greedy and num_slots == self.num_drafts:
+                drafted = self.static.run_propose(anchors, positions)
+                if drafted is not None:
+                    return Proposal(drafted[0], drafted[1], None, drafted[2])
+            elif not sampling.all_greedy and sampling.uniforms is not None and sampling.host_params is not None:
+                # Sampling rows: a full block in the bucket, its first `num_slots` slots kept (a slot's
+                # draft depends on earlier slots and its own uniform only, so they are what
+                # drafting `num_slots` would give).
+                filters = sampling.needs_filters(self.drafter.config.draft_vocab)
+                drafted = self.static.run_propose_sampled(anchors, sampling, positions, filters)
+                if drafted is not None:
+                    tokens, token_probs, confidence, dists = drafted
+                    return Proposal(tokens, token_probs, dists, confidence).select(0, anchors.shape[0], num_slots)
         return Proposal.of_draft(self.draft_block(lo, anchors, sampling, num_slots))
 
     def draft_block(
-        self, lo: int, anchors: torch.Tensor, sampling: SamplingBatch, num_slots: int, span: int | None = None
+        self,
+        lo: int,
+        anchors: torch.Tensor,
+        sampling: SamplingBatch,
+        num_slots: int,
+        span: int | None = None,
+        dists_out: torch.Tensor | None = None,
     ) -> DraftResult:
         """The drafter over `[anchor, MASK, ...]` blocks for slots lo.., then its draft choice."""
         block = torch.full(
@@ -108,7 +132,9 @@ class DrafterProposer:
         # Hidden states up to the last slot drafted.
         needed = self.drafter.config.first_draft_position + num_slots
         hidden = self.drafter.forward_block(self.cache, lo, block, span=span, num_outputs=needed)
-        return self.drafter.draft(hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head)
+        return self.drafter.draft(
+            hidden, anchors, sampling, num_slots=num_slots, use_head=self.use_head, dists_out=dists_out
+        )
 
     def static_block(self, anchors: torch.Tensor, span: int) -> tuple[torch.Tensor, ...]:
         """Greedy drafts of a full block for slots 0..R-1 with fixed shapes, attending over `span`
@@ -116,6 +142,27 @@ class DrafterProposer:
         greedy = SamplingBatch.all_greedy_rows(anchors.shape[0], anchors.device)
         draft = self.draft_block(0, anchors, greedy, self.num_drafts, span=span)
         return draft.tokens, draft.token_probs, draft.confidence
+
+    def static_sampled_block(
+        self,
+        anchors: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        top_k: torch.Tensor,
+        uniforms: torch.Tensor,
+        span: int,
+        filters: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """Drafts of a full block for sampling (and greedy: temperature 0) rows 0..R-1 with fixed
+        shapes: the rows' parameters [R] and uniforms [R, D] are the bucket's inputs, `filters`
+        fixes whether the top-k/top-p masks run. Returns tokens, their probabilities, confidences
+        and the distributions (a view of the shared buffer, `reserve_dists`)."""
+        assert self.dists is not None, "reserve_dists first"
+        sampling = SamplingBatch(temperature, top_p, top_k, uniforms, host_all_greedy=False, filters=filters)
+        out = self.dists[: anchors.shape[0]]
+        draft = self.draft_block(0, anchors, sampling, self.num_drafts, span=span, dists_out=out)
+        assert draft.draft_probs is not None
+        return draft.tokens, draft.token_probs, draft.confidence, draft.draft_probs
 
 
 class NgramProposer:

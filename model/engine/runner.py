@@ -128,16 +128,22 @@ class ModelRunner:
     def _build_static_steps(
         self, max_batch_size: int, max_drafts: int, spans: list[int], cuda_graphs: bool
     ) -> StaticSteps:
-        """Verify per (batch, T, span) bucket and the greedy proposal per (batch, span), built (and on
-        CUDA captured) now: T is 1 for `ar`/paused steps, else a width holding the step's drafts."""
+        """Verify per (batch, T, span) bucket and the proposal per (batch, span) (greedy, and with
+        sampling rows per top-k/top-p or not), built (and on CUDA captured) now: T is 1 for
+        `ar`/paused steps, else a width holding the step's drafts."""
+        proposer = self.drafter_proposer
+        if proposer is not None:
+            proposer.reserve_dists(batch_buckets(max_batch_size)[-1])
         steps = StaticSteps(
             self.static_verify,
-            self.drafter_proposer.static_block if self.drafter_proposer is not None else None,
+            proposer.static_block if proposer is not None else None,
             max_batch_size,
             verify_widths(max_drafts),
             spans,
             self.device,
             cuda_graphs,
+            sampled_fn=proposer.static_sampled_block if proposer is not None else None,
+            num_drafts=proposer.num_drafts if proposer is not None else 0,
         )
         steps.warm_up()
         return steps

@@ -30,6 +30,9 @@ class SamplingBatch:
     # The rows' parameters on the host, when the caller has them: what is decided from them (all
     # greedy? any top-k or top-p?) is then decided without reading the device.
     host_params: Sequence[SamplingParams] | None = None
+    # A fixed choice of whether the top-k and top-p masks run (rows without either pass through
+    # them unchanged): a static bucket's function, which must not branch on the rows' values.
+    filters: bool | None = None
 
     @classmethod
     def all_greedy_rows(cls, rows: int, device: torch.device | str) -> SamplingBatch:
@@ -76,7 +79,14 @@ class SamplingBatch:
         # A subset of all-greedy rows is all greedy; of mixed rows, their parameters tell, if known.
         greedy = True if self.host_all_greedy else None if params is None else all(p.greedy for p in params)
         uniforms = None if self.uniforms is None else self.uniforms[a:b]
-        return SamplingBatch(self.temperature[a:b], self.top_p[a:b], self.top_k[a:b], uniforms, greedy, params)
+        return SamplingBatch(
+            self.temperature[a:b], self.top_p[a:b], self.top_k[a:b], uniforms, greedy, params, self.filters
+        )
+
+    def needs_filters(self, vocab: int) -> bool:
+        """Whether any row asks for top-k (below `vocab`) or top-p, from the host parameters."""
+        assert self.host_params is not None
+        return any(0 < p.top_k < vocab or p.top_p < 1 for p in self.host_params)
 
 
 def host_params(params: Sequence[SamplingParams]) -> list[np.ndarray]:
@@ -99,18 +109,22 @@ def processed_probs(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     host_params: Sequence[SamplingParams] | None = None,
+    filters: bool | None = None,
 ) -> torch.Tensor:
     """The distribution being sampled: temperature, then top-k, then top-p (as in HF generate).
 
     logits [..., V]; temperature/top_k/top_p broadcastable per leading row ([R]). `host_params`,
     the same rows' parameters on the host: whether any row filters is then known without a read.
+    `filters`: run both masks (True) or neither (False), whatever the rows ask (a static bucket).
     """
     temperature = _expand(temperature, logits)
     top_k = _expand(top_k, logits)
     top_p = _expand(top_p, logits)
     scores = logits.float() / temperature.clamp_min(1e-6)[..., None]
     vocab = scores.shape[-1]
-    if host_params is not None:
+    if filters is not None:
+        use_k = use_p = filters
+    elif host_params is not None:
         use_k = any(0 < p.top_k < vocab for p in host_params)
         use_p = any(p.top_p < 1 for p in host_params)
     else:
@@ -164,7 +178,7 @@ def pick_tokens(
         return top, greedy_probs, None, greedy_probs
     assert sampling.uniforms is not None, "sampling rows need uniforms"
     temperature = torch.where(sampling.greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p, sampling.host_params)
+    probs = processed_probs(logits, temperature, sampling.top_k, sampling.top_p, sampling.host_params, sampling.filters)
     u = sampling.uniforms[:, slot] if slot is not None else sampling.uniforms[:, : logits.shape[1]]
     sampled = sample_with_uniform(probs, u)
     greedy = _expand(sampling.greedy, logits)

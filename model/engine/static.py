@@ -17,7 +17,11 @@ CUDA graph launches them all at once. A graph replays fixed shapes on fixed buff
   trash block, so a padding row never writes into a live row's blocks;
 - inputs are copied into each bucket's persistent buffers and outputs are that bucket's own
   buffers, valid until its next replay (each graph has a private memory pool, so no other graph's
-  replay overwrites them).
+  replay overwrites them);
+- the drafter's proposal has buckets for greedy batches and, per top-k/top-p or not, for batches
+  with sampling rows, whose parameters and random draws are inputs like the anchors; the sampling
+  buckets write their distributions into one shared buffer and share one memory pool (one replays
+  per step, and its outputs are read before the next).
 
 On the CPU the same functions run eagerly on the same padded shapes (tested token-identical to the
 dynamic path); the CPU default stays dynamic because there padding costs real time.
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.engine.sampling import SamplingBatch
 from model.nn.attention import KV_READS
 
 log = logging.getLogger("domino.static")
@@ -82,8 +87,13 @@ class StaticFunction:
     the host, an unsupported kernel) the function falls back to eager and says so in the log.
     """
 
-    def __init__(self, name: str, fn: Callable[..., Tensors], inputs: Tensors, graph: bool) -> None:
+    def __init__(
+        self, name: str, fn: Callable[..., Tensors], inputs: Tensors, graph: bool, pool: object | None = None
+    ) -> None:
+        """`pool`: a graph memory pool shared with other functions' graphs (their intermediates
+        share memory; their outputs stay each its own), else a private one."""
         self.name = name
+        self.pool = pool
         self.fn = fn
         self.inputs = tuple(x.clone() for x in inputs)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -109,7 +119,7 @@ class StaticFunction:
         graph = torch.cuda.CUDAGraph()
         counted = KV_READS.bytes
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs = self.fn(*self.inputs)
             self.kv_bytes_read = KV_READS.bytes - counted
         finally:
@@ -142,7 +152,11 @@ class StaticSteps:
     the drafter's greedy proposal (backbone + head loop, every slot) per (batch, span).
 
     `verify_fn(tokens [Rb, T], span) -> (logits, features...)` and `propose_fn(anchors [Rb], span)
-    -> (tokens, token_probs, confidence)` run rows 0..Rb-1 of the engine's caches.
+    -> (tokens, token_probs, confidence)` run rows 0..Rb-1 of the engine's caches. With
+    `sampled_fn(anchors, temperature, top_p, top_k, uniforms [Rb, num_drafts], span, filters) ->
+    (tokens, token_probs, confidence, distributions)` the proposal of batches with sampling rows
+    has buckets too, per (batch, span, filters): the rows' parameters and random draws are inputs,
+    `filters` whether the top-k/top-p masks run.
     """
 
     def __init__(
@@ -154,15 +168,20 @@ class StaticSteps:
         spans: list[int],
         device: torch.device,
         graphs: bool,
+        sampled_fn: Callable[..., Tensors] | None = None,
+        num_drafts: int = 0,
     ) -> None:
         self.batch_sizes = batch_buckets(max_batch_size)
         self.verify_widths = sorted(set(verify_widths))
         self.spans = sorted(set(spans))
         self.device = device
         self.use_graphs = graphs and device.type == "cuda"
-        self._verify_fn, self._propose_fn = verify_fn, propose_fn
+        self._verify_fn, self._propose_fn, self._sampled_fn = verify_fn, propose_fn, sampled_fn
+        self.num_drafts = num_drafts
         self.verify: dict[tuple[int, int, int], StaticFunction] = {}
         self.propose: dict[tuple[int, int], StaticFunction] = {}
+        self.propose_sampled: dict[tuple[int, int, bool], StaticFunction] = {}
+        self._sampled_pool: object | None = None
         self.report: WarmupReport | None = None
 
     def warm_up(self) -> WarmupReport:
@@ -178,9 +197,21 @@ class StaticSteps:
                 anchors = torch.zeros(rb, dtype=torch.long, device=self.device)
                 fn = functools.partial(self._propose_fn, span=c)
                 self.propose[(rb, c)] = StaticFunction(f"propose[{rb}@{c}]", fn, (anchors,), self.use_graphs)
+            if self._sampled_fn is not None:
+                if self.use_graphs and self._sampled_pool is None:
+                    # One pool for the sampling proposals' graphs: each holds [R, V] intermediates
+                    # per draft slot (sorting for top-k/top-p), and only one replays at a time.
+                    self._sampled_pool = torch.cuda.graph_pool_handle()
+                inputs = sampled_inputs(rb, self.num_drafts, self.device)
+                for filters in (False, True):
+                    fn = functools.partial(self._sampled_fn, span=c, filters=filters)
+                    name = f"propose_sampled[{rb}@{c}{', filtered' if filters else ''}]"
+                    self.propose_sampled[(rb, c, filters)] = StaticFunction(
+                        name, fn, inputs, self.use_graphs, self._sampled_pool
+                    )
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
-        functions = list(self.verify.values()) + list(self.propose.values())
+        functions = [*self.verify.values(), *self.propose.values(), *self.propose_sampled.values()]
         graphs = sum(f.graph is not None for f in functions)
         mem = (torch.cuda.memory_reserved(self.device) - mem0) if self.use_graphs else 0
         self.report = WarmupReport(graphs, len(functions) - graphs, time.perf_counter() - t0, mem)
@@ -226,3 +257,34 @@ class StaticSteps:
         padded = torch.zeros(rb, dtype=anchors.dtype, device=anchors.device)
         padded[:r] = anchors
         return tuple(x[:r] for x in fn(padded))
+
+    def run_propose_sampled(
+        self, anchors: torch.Tensor, sampling: SamplingBatch, positions: int, filters: bool
+    ) -> Tensors | None:
+        """Drafts of a full block for rows 0..R-1 of which some sample: `sampling`'s parameters and
+        uniforms ([R, d], d <= num_drafts: later slots draw zeros, slots the caller drops) padded
+        into a bucket's inputs (padding rows greedy), or None."""
+        r = anchors.shape[0]
+        rb = bucket_for(r, self.batch_sizes)
+        fn = self.propose_sampled.get((rb, self.span_for(positions), filters)) if rb is not None else None
+        if fn is None or sampling.uniforms is None:
+            return None
+        anchors_b, temperature, top_p, top_k, uniforms = sampled_inputs(rb, self.num_drafts, anchors.device)
+        anchors_b[:r] = anchors
+        temperature[:r] = sampling.temperature
+        top_p[:r] = sampling.top_p
+        top_k[:r] = sampling.top_k
+        uniforms[:r, : sampling.uniforms.shape[1]] = sampling.uniforms
+        return tuple(x[:r] for x in fn(anchors_b, temperature, top_p, top_k, uniforms))
+
+
+def sampled_inputs(rows: int, num_drafts: int, device: torch.device) -> Tensors:
+    """A sampling proposal bucket's inputs for `rows` greedy rows: anchors, temperature, top_p,
+    top_k [rows] and uniforms [rows, num_drafts]."""
+    return (
+        torch.zeros(rows, dtype=torch.long, device=device),
+        torch.zeros(rows, device=device),
+        torch.ones(rows, device=device),
+        torch.zeros(rows, dtype=torch.long, device=device),
+        torch.zeros(rows, num_drafts, device=device),
+    )

@@ -446,9 +446,11 @@ class Drafter(nn.Module):
         return_logits: bool = False,
         num_slots: int | None = None,
         use_head: bool | None = None,
+        dists_out: torch.Tensor | None = None,
     ) -> DraftResult:
         """Choose the drafts of one block per row from block hidden states [R, B, H]; only the
-        first `num_slots` draft slots (default: all) are computed.
+        first `num_slots` draft slots (default: all) are computed. `dists_out` [R, D, V]: where the
+        sampling rows' distributions go (a buffer the static buckets share), else a new tensor.
 
         Without the head (or with `use_head` off) every slot picks from its base logits at once;
         with it, slots >= pure_draft_prefix_len add the GRU-conditioned correction, one slot at a
@@ -462,6 +464,8 @@ class Drafter(nn.Module):
         use_head = self.use_head if use_head is None else use_head
         if not (use_head and cfg.has_head):
             ids, probs, dist, conf = pick_tokens(base, sampling)
+            if dist is not None and dists_out is not None:
+                dist = dists_out.copy_(dist)
             return DraftResult(self.to_full_vocab(ids), probs, dist, conf, base if return_logits else None)
 
         r, d, _ = base.shape
@@ -483,7 +487,9 @@ class Drafter(nn.Module):
             dists.append(dist)
             if i + 1 < d:
                 h = gru_cell(self.embed(full_ids).to(w_ih.dtype), h, w_ih, w_hh)
-        draft_probs = torch.stack(dists, dim=1) if dists[0] is not None else None
+        draft_probs = None
+        if dists[0] is not None:
+            draft_probs = torch.stack(dists, dim=1) if dists_out is None else torch.stack(dists, dim=1, out=dists_out)
         return DraftResult(
             torch.stack(ids_out, dim=1),
             torch.stack(probs_out, dim=1),

@@ -249,7 +249,8 @@ def test_static_shapes_setting_serves_identical_tokens(
             _, ref_text, ref_finish = greedy_reference(tiny_hf[1].encode(prompt), 16)
             choice = results[i]["choices"][0]
             assert (choice["text"], choice["finish_reason"]) == (ref_text, ref_finish)
-        # Batch buckets 1, 2, 4: verify at T = 1, 2, 3, 5, 9 (W = 8 n-gram drafts) and the proposal.
-        assert "static-shape steps ready: 18 buckets" in srv.logs()
+        # Batch buckets 1, 2, 4: verify at T = 1, 2, 3, 5, 9 (W = 8 n-gram drafts) and the proposal,
+        # greedy and for sampling rows (with and without top-k/top-p).
+        assert "static-shape steps ready: 24 buckets" in srv.logs()
     finally:
         srv.stop()

@@ -96,9 +96,9 @@ def test_cpu_run_at_scale_16(tmp_path: Path) -> None:
     assert {(w["variant"], w["mode"]) for w in warm} == {(v, m) for v in ("static", "graph") for m in MODES}
     for w in warm:
         assert w["batch"] == 2 and w["graphs"] == 0 and w["memory_mib"] == w["pools_mib"] == 0
-        # Buckets 1 and 2 rows; T = 1 only for ar, T in {1, 2, 3, 5, 9, 17} and a proposal per
-        # batch otherwise.
-        assert w["eager"] == (2 if w["mode"] == "ar" else 2 * 6 + 2), w
+        # Buckets 1 and 2 rows; T = 1 only for ar, T in {1, 2, 3, 5, 9, 17} and three proposals
+        # (greedy; sampling rows with and without top-k/top-p) per batch otherwise.
+        assert w["eager"] == (2 if w["mode"] == "ar" else 2 * 6 + 2 * 3), w
     cap = row["static_capacity"]
     assert "### Graph vs eager" in md and f"| 2 | 48 | {cap} | engine step domino |" in md
     assert "### Static-shape warm-up" in md and "context (eager) | capacity (static, graph)" in md

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.engine.engine import Engine, SamplingParams
+from model.engine.sampling import SamplingBatch
 from model.engine.static import batch_buckets, bucket_for, verify_widths
 from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
@@ -133,8 +135,47 @@ def test_static_seeded_sampling_same_as_dynamic() -> None:
     ]
     for mode in ("domino", "ngram"):
         dynamic = _engine(model, mode, 4, static=False).generate(prompts, params)
-        static = _engine(model, mode, 4, static=True).generate(prompts, params)
+        engine = _engine(model, mode, 4, static=True)
+        static = engine.generate(prompts, params)
         assert [t for t, _, _ in static] == [t for t, _, _ in dynamic]
+        if mode == "domino":  # the sampling rows drafted in the buckets, the filtered ones
+            assert engine.static is not None
+            assert sum(f.calls for (_, _, filters), f in engine.static.propose_sampled.items() if filters) > 0
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_static_sampling_proposal_is_the_eager_one(filtered: bool) -> None:
+    """The sampling proposal's bucket (a full block, the rows' parameters and uniforms as inputs)
+    gives, for the slots kept, the eager proposal's drafts, probabilities, confidences and
+    distributions: for a batch of greedy and sampling rows, fewer slots than the block holds."""
+    engine = _engine(tiny_target(), "domino", 3)
+    prompts = _prompts(3)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    proposer = engine.drafter_proposer
+    assert proposer is not None and proposer.static is not None and engine.num_running == 3
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=7 if filtered else 0),
+        SamplingParams(temperature=1.3, top_p=0.9 if filtered else 1.0),
+    ]
+    d = proposer.num_drafts - 2
+    uniforms = np.random.default_rng(0).random((3, d), dtype=np.float32)
+    anchors = torch.tensor([row.anchor for row in engine.rows])
+    sampling = SamplingBatch.of_params(params, uniforms, anchors.device)
+    calls = sum(f.calls for f in proposer.static.propose_sampled.values())
+    with torch.inference_mode():
+        static = proposer.propose(0, engine.rows, anchors, sampling, d)
+        assert sum(f.calls for f in proposer.static.propose_sampled.values()) == calls + 1
+        proposer.static, steps = None, proposer.static
+        eager = proposer.propose(0, engine.rows, anchors, sampling, d)
+        proposer.static = steps
+    assert static.tokens.shape == eager.tokens.shape == (3, d)
+    assert static.tokens.tolist() == eager.tokens.tolist()
+    for name in ("token_probs", "confidence", "draft_probs"):
+        torch.testing.assert_close(getattr(static, name), getattr(eager, name), rtol=1e-4, atol=1e-6)
 
 
 def test_static_verify_writes_the_drafters_context_as_the_dynamic_append() -> None:
