@@ -1,18 +1,16 @@
 """Where one decode step's time goes on a CPU, for the embedded default: `python -m bench.forward_breakdown`
-(issue 56: the gap to llama.cpp is mostly overhead, not bytes; this says how much of each).
+(issue 56: how much of the gap to llama.cpp is overhead and how much the weights' reads).
 
 A one-row `ar` step and a one-row `domino` step of our engine at a given context (the embedded
-default, `--dtype`, `--threads`), against what their parts cost alone with the same shapes:
+default, `--dtype`, `--threads`), and the `ar` step under torch.profiler split by where the time
+goes: the matmuls (`aten::mm`/`addmm`: the weights), the attention kernels, every other op (norms,
+rotary embedding, residual adds, cache writes, ...) and time in no op at all (Python, dispatch,
+the engine's host work, and the profiler's own overhead). Beside them, every linear layer of the
+target applied to one token alone, back to back, and the LM head alone: the bandwidth the matmul
+kernels reach on these shapes.
 
-- weights: every `nn.Linear` of the target (attention and MLP projections, the LM head) applied to
-  one token's activations, back to back: the matmuls' own time, mostly reading the weights;
-- attention: one query token's scaled-dot-product attention over the context, per layer;
-- the rest of the `ar` step: Python, the decoder's small ops (norms, rotary embedding, residual
-  adds, activations, cache writes) and framework dispatch around them, and the engine's host work;
-- drafting: a `domino` step over an `ar` step (the drafter block, the head, a wider verify).
-
-Each figure is the median of `--repeats` timed runs after warm-up; a step is the engine's own
-`step()` on a row that never finishes.
+Each unprofiled figure is the median of `--repeats` timed runs after warm-up; a step is the
+engine's own `step()` on a row that never finishes.
 """
 
 from __future__ import annotations
@@ -61,19 +59,43 @@ def weights_ms(target: TargetModel, warmup: int, repeats: int) -> tuple[float, i
     return median_ms(run, warmup, repeats), nbytes
 
 
-@torch.inference_mode()
-def attention_ms(target: TargetModel, context: int, warmup: int, repeats: int) -> float:
-    """One query token over `context` keys per layer (grouped-query heads as the model has them)."""
-    heads = int(target.config.num_attention_heads)
-    q = torch.randn(1, heads, 1, target.head_dim, dtype=target.dtype)
-    k = torch.randn(1, target.kv_heads, context, target.head_dim, dtype=target.dtype)
-    v = torch.randn_like(k)
+MATMULS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
 
-    def run() -> None:
-        for _ in range(target.num_layers):
-            F.scaled_dot_product_attention(q, k, v, enable_gqa=heads != target.kv_heads)
 
-    return median_ms(run, warmup, repeats)
+def is_attention(name: str) -> bool:
+    return "scaled_dot_product" in name or "flash_attention" in name
+
+
+def profiled_split(engine: Engine, prompt: list[int], steps: int) -> dict[str, float]:
+    """ms per step under torch.profiler, by where the time goes: the matmuls (`MATMULS`: the
+    weights), the attention kernels, every other op, and time in no op at all (Python, dispatch,
+    the engine's host work; the profiler's own overhead inflates this part)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    budget = engine.max_model_len - len(prompt)
+    engine.add_request("row", prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True))
+    for _ in range(3):  # the prefill and two warm-up steps
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    engine.abort("row")
+    engine.step()
+    split = {"matmuls": 0.0, "attention": 0.0, "other ops": 0.0}
+    for event in prof.key_averages():
+        us = event.self_cpu_time_total
+        if event.key in MATMULS:
+            split["matmuls"] += us
+        elif is_attention(event.key):
+            split["attention"] += us
+        else:
+            split["other ops"] += us
+    out = {k: v / 1e3 / steps for k, v in split.items()}
+    out["in no op"] = 1e3 * wall / steps - sum(out.values())
+    out["profiled step"] = 1e3 * wall / steps
+    return out
 
 
 def step_ms(engine: Engine, prompt: list[int], warmup: int, repeats: int) -> tuple[float, float]:
@@ -103,6 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--profiled-steps", type=int, default=10, help="`ar` steps under torch.profiler")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     return p.parse_args(argv)
@@ -119,12 +142,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ids = [t for p in load_prompt_file(Path(args.prompts), tokenizer) for t in p][: args.context]
     max_len = args.context + (args.warmup + args.repeats + 2) * 17 + 64
     w_ms, w_bytes = weights_ms(target, args.warmup, args.repeats)
-    a_ms = attention_ms(target, args.context, args.warmup, args.repeats)
+    head = target.lm_head.weight
+    head_bytes = head.numel() * head.element_size()
+    x = torch.randn(1, 1, head.shape[1], dtype=target.dtype)
+    with torch.inference_mode():
+        head_ms = median_ms(lambda: F.linear(x, head), args.warmup, args.repeats)
     ar = Engine(target, None, mode="ar", max_batch_size=1, max_model_len=max_len)
     ar_ms, _ = step_ms(ar, ids, args.warmup, args.repeats)
+    split = profiled_split(ar, ids, args.profiled_steps)
     domino = Engine(target, drafter, mode="domino", max_batch_size=1, max_model_len=max_len)
     domino_ms, domino_tokens = step_ms(domino, ids, args.warmup, args.repeats)
-    rest = ar_ms - w_ms - a_ms
     cpu = common.cpu_info()
     result = {
         "cpu": cpu,
@@ -132,31 +159,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads,
         "context": args.context,
         "ar_step_ms": ar_ms,
+        "ar_profiled_ms": split,
         "weights_ms": w_ms,
         "weights_bytes": w_bytes,
         "weights_gb_per_s": w_bytes / (w_ms / 1e3) / 1e9,
-        "attention_ms": a_ms,
-        "rest_ms": rest,
+        "lm_head_ms": head_ms,
+        "lm_head_bytes": head_bytes,
         "domino_step_ms": domino_ms,
         "domino_tokens_per_step": domino_tokens,
         "commit": (common.git_state()["commit"] or "?")[:10],
     }
+    profiled = split["profiled step"]
     rows = [
-        ("`ar` step (one token)", ar_ms, "100 %"),
-        (f"weights: every linear on one token ({w_bytes / 1e6:.0f} MB, {result['weights_gb_per_s']:.1f} GB/s)",
-         w_ms, f"{w_ms / ar_ms:.0%}"),
-        (f"attention over {args.context} positions, {target.num_layers} layers", a_ms, f"{a_ms / ar_ms:.0%}"),
-        ("the rest: Python, small ops, dispatch, engine host work", rest, f"{rest / ar_ms:.0%}"),
-        (f"`domino` step ({domino_tokens:.2f} tokens a step here)", domino_ms,
-         f"{domino_ms / ar_ms:.0%}"),
+        ("`ar` step (one token), not profiled", f"{ar_ms:.2f}", ""),
+        ("`ar` step under the profiler", f"{profiled:.2f}", "100 %"),
+        *((f"- {part}", f"{split[part]:.2f}", f"{split[part] / profiled:.0%}")
+          for part in ("matmuls", "attention", "other ops", "in no op")),
+        (f"every linear alone on one token ({w_bytes / 1e6:.0f} MB)", f"{w_ms:.2f}",
+         f"{result['weights_gb_per_s']:.1f} GB/s"),
+        (f"the LM head alone ({head_bytes / 1e6:.0f} MB)", f"{head_ms:.2f}",
+         f"{head_bytes / (head_ms / 1e3) / 1e9:.1f} GB/s"),
+        (f"`domino` step ({domino_tokens:.2f} tokens a step here), not profiled", f"{domino_ms:.2f}",
+         f"{domino_ms / ar_ms:.2f}x the `ar` step"),
     ]  # fmt: skip
     lines = [
         "# Where a decode step's time goes (`python -m bench.forward_breakdown`)\n",
         f"{cpu['cpu']} ({'AVX-512 BF16' if cpu['avx512_bf16'] else 'no AVX-512 BF16'}); {result['dtype']}; "
         f"{args.threads} thread(s); embedded default at context {args.context}; commit {result['commit']}.\n",
-        "| part | ms | of the `ar` step |",
+        "| part | ms | share, bandwidth or ratio |",
         "|---|---:|---:|",
-        *(f"| {name} | {ms:.2f} | {share} |" for name, ms, share in rows),
+        *(f"| {name} | {ms} | {share} |" for name, ms, share in rows),
     ]
     report = "\n".join(lines) + "\n"
     write_reports(result, report, args.json, args.markdown)
