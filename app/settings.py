@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from model.kv.sizes import parse_memory
 
 Mode = Literal["domino", "dflash", "ngram", "ar"]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -88,7 +88,11 @@ class Settings(BaseSettings):
         description="adaptive: drafts per step from the drafter's confidence and measured step costs (drafting "
         "pauses when it does not pay); fixed: always the full block",
     )
-    dtype: Dtype = "auto"
+    dtype: Dtype = Field(
+        "auto",
+        description="auto: bf16 on CUDA and on CPUs with native bf16, else float32; int8: the target's linear "
+        "layers as weight-only int8 with bf16 activations (CPU only; half bf16's bytes a token)",
+    )
     device: str = "auto"
     static_shapes: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -326,6 +326,9 @@ def measured_on(device: torch.device, dtype: torch.dtype, build_s: float, **extr
 # -- flags -------------------------------------------------------------------------------------
 
 
+DTYPE_HELP = "auto (bf16 with native bf16, else fp32), float32, bfloat16, int8 (weight-only int8, bf16 activations)"
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 

@@ -23,6 +23,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
+from bench import common
 from bench.report import write_json
 from model.engine.engine import Engine, SamplingParams
 from model.load.checkpoint import load_drafter
@@ -32,6 +33,7 @@ from model.load.loading import (
     DEFAULT_TARGET,
     eos_token_ids,
     load_target,
+    pack_weights,
     resolve_dtype,
 )
 from model.load.prompts import load_prompt_file
@@ -281,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
     parser.add_argument("--json", default="bench/results/engine.json")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
+    parser.add_argument("--dtype", default="auto", help=common.DTYPE_HELP)
     parser.add_argument("--no-ngram", action="store_true", help="drafter modes without n-gram copies")
     parser.add_argument(
         "--json-mode", action="store_true", help="engine answers constrained to a JSON object (llguidance); no HF modes"
@@ -298,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         modes = [m for m in modes if not m.startswith("hf-")]  # HF generate has no grammar here
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_target(args.target, dtype)
+    pack_weights(model, args.dtype)
     eos = eos_token_ids(model, tokenizer)
     # --offset 100 on the ShareGPT held-out file = its test half (train/evaluate.py's slices).
     prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]

@@ -29,7 +29,7 @@ from bench import common
 from bench.report import write_reports
 from model.engine.engine import Engine, SamplingParams
 from model.load.checkpoint import load_drafter
-from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target, resolve_dtype
+from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target, pack_weights, resolve_dtype
 from model.load.prompts import load_prompt_file
 from model.nn.target import TargetModel
 
@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=300, help="tokens before the step")
     p.add_argument("--prompts", default="bench/prompts/sharegpt_heldout.jsonl", help="the text before the step")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
+    p.add_argument("--dtype", default="auto", help=common.DTYPE_HELP)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--profiled-steps", type=int, default=10, help="`ar` steps under torch.profiler")
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_target(DEFAULT_TARGET, dtype)
+    pack_weights(model, args.dtype)
     target = TargetModel(model)
     drafter = load_drafter(str(DEFAULT_DRAFTER_DIR), dtype=dtype, target_config=model.config)
     # Real text before the step (the held-out prompts end to end), so the drafter drafts as it would.

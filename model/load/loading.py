@@ -39,6 +39,9 @@ DEFAULT_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-domino")
 DEFAULT_DFLASH_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-dflash")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weight formats beyond a dtype: the model runs bf16 activations over packed weights
+# (model/nn/packed.py), on the CPU.
+PACKED = {"int8": torch.bfloat16}
 
 
 def resolve_device(device: str) -> str:
@@ -63,9 +66,23 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         if device.startswith("cuda") or (device == "cpu" and cpu_has_native_bf16()):
             return torch.bfloat16
         return torch.float32
+    if dtype in PACKED:
+        if device != "cpu":
+            raise ValueError(f"dtype {dtype!r} (DOMINO_DTYPE) packs weights for the CPU's kernels; {device} has none")
+        return PACKED[dtype]
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + sorted(PACKED)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
+
+
+def pack_weights(model: PreTrainedModel, dtype: str) -> int:
+    """`dtype` 'int8': the model's linear layers become weight-only int8 (model/nn/packed.py; the
+    LM head keeps its dense weight for a drafter to borrow); other dtypes: nothing. The count packed."""
+    if dtype != "int8":
+        return 0
+    from model.nn.packed import pack_int8
+
+    return pack_int8(model, dense=model.get_output_embeddings())
 
 
 def load_target(
@@ -135,6 +152,9 @@ def build_engine(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model, tokenizer = load_target(target, torch_dtype, dev)
+    packed = pack_weights(model, dtype)
+    if packed:
+        log.info("%d linear layers packed as weight-only %s (bf16 activations)", packed, dtype)
     draft_model: Drafter | None = None
     if mode not in ("ar", "ngram"):  # ngram needs no drafter
         path: Path | None = resolve_checkpoint(drafter) if drafter else None
