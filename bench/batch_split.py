@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from bench import common
 from bench.report import save_result
 from model.engine.engine import Engine
 from model.engine.requests import SamplingParams
 from model.load.checkpoint import load_drafter
-from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, eos_token_ids, load_target, resolve_dtype
+from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, eos_token_ids, load_target_as
 from model.load.prompts import load_prompt_file
 from model.nn.drafter import Drafter
 from model.nn.target import TargetModel
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3, help="repetitions, each on new prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-prompt-tokens", type=int, default=512)
-    parser.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
+    parser.add_argument("--dtype", default="auto", help=common.DTYPE_HELP)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default="bench/results/batch_split.json")
     args = parser.parse_args(argv)
@@ -147,8 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     kwargs = {s: engine_kwargs(s) for s in settings}
-    dtype = resolve_dtype(args.dtype, "cpu")
-    model, tokenizer = load_target(args.target, dtype)
+    model, tokenizer, dtype = load_target_as(args.target, args.dtype)
     prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]
     prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens]
     needed = args.requests * args.repeats

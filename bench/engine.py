@@ -32,9 +32,7 @@ from model.load.loading import (
     DEFAULT_DRAFTER_DIR,
     DEFAULT_TARGET,
     eos_token_ids,
-    load_target,
-    pack_weights,
-    resolve_dtype,
+    load_target_as,
 )
 from model.load.prompts import load_prompt_file
 from model.nn.drafter import Drafter
@@ -298,9 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {ALL_MODES}")
     if args.json_mode:
         modes = [m for m in modes if not m.startswith("hf-")]  # HF generate has no grammar here
-    dtype = resolve_dtype(args.dtype, "cpu")
-    model, tokenizer = load_target(args.target, dtype)
-    pack_weights(model, args.dtype)
+    model, tokenizer, dtype = load_target_as(args.target, args.dtype)
     eos = eos_token_ids(model, tokenizer)
     # --offset 100 on the ShareGPT held-out file = its test half (train/evaluate.py's slices).
     prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]

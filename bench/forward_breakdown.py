@@ -29,7 +29,7 @@ from bench import common
 from bench.report import write_reports
 from model.engine.engine import Engine, SamplingParams
 from model.load.checkpoint import load_drafter
-from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target, pack_weights, resolve_dtype
+from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target_as
 from model.load.prompts import load_prompt_file
 from model.nn.target import TargetModel
 
@@ -134,9 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, "cpu")
-    model, tokenizer = load_target(DEFAULT_TARGET, dtype)
-    pack_weights(model, args.dtype)
+    model, tokenizer, dtype = load_target_as(DEFAULT_TARGET, args.dtype)
     target = TargetModel(model)
     drafter = load_drafter(str(DEFAULT_DRAFTER_DIR), dtype=dtype, target_config=model.config)
     # Real text before the step (the held-out prompts end to end), so the drafter drafts as it would.

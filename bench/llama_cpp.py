@@ -41,9 +41,7 @@ from model.load.loading import (
     DEFAULT_DRAFTER_DIR,
     DEFAULT_TARGET,
     eos_token_ids,
-    load_target,
-    pack_weights,
-    resolve_dtype,
+    load_target_as,
 )
 from model.load.prompts import load_prompt_file
 from model.load.wheels import default_cache_dir, fetch_pinned_wheel
@@ -261,21 +259,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown:
             p.error(f"{name}: unknown {unknown}; choose from {list(allowed)}")
     if not args.server.exists():
-        p.error(f"--server {args.server} does not exist: build it with `bash scripts/build_llama_cpp.sh` (~8-10 min)")
+        p.error(f"--server {args.server} does not exist: build it with `bash scripts/build_llama_cpp.sh` (~7 min)")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, "cpu")
-    model, tokenizer = load_target(DEFAULT_TARGET, dtype)
-    pack_weights(model, args.dtype)
+    model, tokenizer, dtype = load_target_as(DEFAULT_TARGET, args.dtype)
     eos = eos_token_ids(model, tokenizer)
-    prompts = load_prompt_file(Path(args.prompts), tokenizer)[args.offset :]
-    prompts = [p for p in prompts if len(p) <= args.max_prompt_tokens][: args.limit]
+    every = load_prompt_file(Path(args.prompts), tokenizer)
+    prompts = [p for p in every[args.offset :] if len(p) <= args.max_prompt_tokens][: args.limit]
     # The long prompt: the held-out prompts' ids end to end, cut to --ttft-tokens.
-    long_prompt = [t for p in load_prompt_file(Path(args.prompts), tokenizer) for t in p][: args.ttft_tokens]
+    long_prompt = [t for p in every for t in p][: args.ttft_tokens]
     target = TargetModel(model)
     drafter = load_drafter(str(DEFAULT_DRAFTER_DIR), dtype=dtype, target_config=model.config)
     max_len = max(args.ttft_tokens, *map(len, prompts)) + args.max_new_tokens + 1

@@ -86,7 +86,7 @@ class SamplingBatch:
     def needs_filters(self, vocab: int) -> bool:
         """Whether any row asks for top-k (below `vocab`) or top-p, from the host parameters."""
         assert self.host_params is not None
-        return any(0 < p.top_k < vocab or p.top_p < 1 for p in self.host_params)
+        return any(host_filters(self.host_params, vocab))
 
 
 def host_params(params: Sequence[SamplingParams]) -> list[np.ndarray]:
@@ -96,6 +96,11 @@ def host_params(params: Sequence[SamplingParams]) -> list[np.ndarray]:
         np.array([p.top_p for p in params], dtype=np.float32),
         np.array([p.top_k for p in params], dtype=np.int64),
     ]
+
+
+def host_filters(params: Sequence[SamplingParams], vocab: int) -> tuple[bool, bool]:
+    """Whether any of these rows asks for top-k (below `vocab`), and for top-p."""
+    return any(0 < p.top_k < vocab for p in params), any(p.top_p < 1 for p in params)
 
 
 def _expand(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -125,8 +130,7 @@ def processed_probs(
     if filters is not None:
         use_k = use_p = filters
     elif host_params is not None:
-        use_k = any(0 < p.top_k < vocab for p in host_params)
-        use_p = any(p.top_p < 1 for p in host_params)
+        use_k, use_p = host_filters(host_params, vocab)
     else:
         use_k = bool(((top_k > 0) & (top_k < vocab)).any())
         use_p = bool((top_p < 1).any())

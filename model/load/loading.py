@@ -75,6 +75,20 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def load_target_as(
+    name_or_path: str, dtype: str, device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.dtype]:
+    """`load_target` from a `DOMINO_DTYPE` value: the activations' dtype resolved (`resolve_dtype`)
+    and the weights packed where it asks for it (`pack_weights`); the model, its tokenizer and that
+    dtype (what a drafter beside it runs in)."""
+    torch_dtype = resolve_dtype(dtype, device)
+    model, tokenizer = load_target(name_or_path, torch_dtype, device)
+    packed = pack_weights(model, dtype)
+    if packed:
+        log.info("%d linear layers packed as weight-only %s (bf16 activations)", packed, dtype)
+    return model, tokenizer, torch_dtype
+
+
 def pack_weights(model: PreTrainedModel, dtype: str) -> int:
     """`dtype` 'int8': the model's linear layers become weight-only int8 (model/nn/packed.py; the
     LM head keeps its dense weight for a drafter to borrow); other dtypes: nothing. The count packed."""
@@ -150,11 +164,7 @@ def build_engine(
     config = replace(config or EngineConfig(), **overrides)
     mode = config.mode
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    model, tokenizer = load_target(target, torch_dtype, dev)
-    packed = pack_weights(model, dtype)
-    if packed:
-        log.info("%d linear layers packed as weight-only %s (bf16 activations)", packed, dtype)
+    model, tokenizer, torch_dtype = load_target_as(target, dtype, dev)
     draft_model: Drafter | None = None
     if mode not in ("ar", "ngram"):  # ngram needs no drafter
         path: Path | None = resolve_checkpoint(drafter) if drafter else None
