@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from model.kv.sizes import parse_memory
 
 Mode = Literal["domino", "dflash", "ngram", "ar"]
-Dtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "int8", "int4"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -91,7 +91,8 @@ class Settings(BaseSettings):
     dtype: Dtype = Field(
         "auto",
         description="auto: bf16 on CUDA and on CPUs with native bf16, else float32; int8: the target's linear "
-        "layers as weight-only int8 with bf16 activations (CPU only; half bf16's bytes a token)",
+        "layers as weight-only int8 with bf16 activations (CPU only; half bf16's bytes a token); int4: the "
+        "decoder's as int4 in groups of 32 (a GGUF Q4_1's own blocks), the LM head int8 (CPU only)",
     )
     device: str = "auto"
     static_shapes: Literal["auto", "on", "off"] = Field(

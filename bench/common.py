@@ -326,7 +326,10 @@ def measured_on(device: torch.device, dtype: torch.dtype, build_s: float, **extr
 # -- flags -------------------------------------------------------------------------------------
 
 
-DTYPE_HELP = "auto (bf16 with native bf16, else fp32), float32, bfloat16, int8 (weight-only int8, bf16 activations)"
+DTYPE_HELP = (
+    "auto (bf16 with native bf16, else fp32), float32, bfloat16, int8 (weight-only int8, bf16 activations), "
+    "int4 (int4 in groups of 32, the LM head int8)"
+)
 
 
 def parse_ints(text: str) -> list[int]:

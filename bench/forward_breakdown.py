@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from bench import common
 from bench.report import write_reports
@@ -31,6 +31,7 @@ from model.engine.engine import Engine, SamplingParams
 from model.load.checkpoint import load_drafter
 from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target_as
 from model.load.prompts import load_prompt_file
+from model.nn.packed import PackedLinear
 from model.nn.target import TargetModel
 
 
@@ -45,18 +46,28 @@ def median_ms(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
     return 1e3 * statistics.median(samples)
 
 
+def weight_bytes(layer: nn.Module) -> int:
+    """Bytes a layer reads for one token: a dense weight, or a packed one with its scales."""
+    if isinstance(layer, PackedLinear):
+        return sum(b.numel() * b.element_size() for n, b in layer.named_buffers() if n != "wide")
+    return layer.weight.numel() * layer.weight.element_size()
+
+
 @torch.inference_mode()
-def weights_ms(target: TargetModel, warmup: int, repeats: int) -> tuple[float, int]:
-    """Every linear layer of the target on one token, back to back; and their bytes."""
-    linears = [m for m in target.hf_model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(1, 1, m.in_features, dtype=target.dtype) for m in linears]
+def layer_ms(layers: list[nn.Module], dtype: torch.dtype, warmup: int, repeats: int) -> tuple[float, int]:
+    """These layers applied to one token each, back to back; and the bytes they read."""
+    inputs = [torch.randn(1, 1, m.in_features, dtype=dtype) for m in layers]
 
     def run() -> None:
-        for m, x in zip(linears, inputs):
-            F.linear(x, m.weight, m.bias)
+        for m, x in zip(layers, inputs):
+            m(x)
 
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    return median_ms(run, warmup, repeats), nbytes
+    return median_ms(run, warmup, repeats), sum(weight_bytes(m) for m in layers)
+
+
+def linear_layers(target: TargetModel) -> list[nn.Module]:
+    """The target's linear layers (dense or packed), the LM head last."""
+    return [m for m in target.hf_model.modules() if isinstance(m, nn.Linear | PackedLinear)]
 
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
@@ -140,12 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # Real text before the step (the held-out prompts end to end), so the drafter drafts as it would.
     ids = [t for p in load_prompt_file(Path(args.prompts), tokenizer) for t in p][: args.context]
     max_len = args.context + (args.warmup + args.repeats + 2) * 17 + 64
-    w_ms, w_bytes = weights_ms(target, args.warmup, args.repeats)
-    head = target.lm_head.weight
-    head_bytes = head.numel() * head.element_size()
-    x = torch.randn(1, 1, head.shape[1], dtype=target.dtype)
-    with torch.inference_mode():
-        head_ms = median_ms(lambda: F.linear(x, head), args.warmup, args.repeats)
+    w_ms, w_bytes = layer_ms(linear_layers(target), target.dtype, args.warmup, args.repeats)
+    head_ms, head_bytes = layer_ms([target.lm_head], target.dtype, args.warmup, args.repeats)
     ar = Engine(target, None, mode="ar", max_batch_size=1, max_model_len=max_len)
     ar_ms, _ = step_ms(ar, ids, args.warmup, args.repeats)
     split = profiled_split(ar, ids, args.profiled_steps)

@@ -41,7 +41,7 @@ DEFAULT_DFLASH_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-dflash")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight formats beyond a dtype: the model runs bf16 activations over packed weights
 # (model/nn/packed.py), on the CPU.
-PACKED = {"int8": torch.bfloat16}
+PACKED = {"int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
 def resolve_device(device: str) -> str:
@@ -82,21 +82,32 @@ def load_target_as(
     and the weights packed where it asks for it (`pack_weights`); the model, its tokenizer and that
     dtype (what a drafter beside it runs in)."""
     torch_dtype = resolve_dtype(dtype, device)
-    model, tokenizer = load_target(name_or_path, torch_dtype, device)
+    if dtype not in PACKED:
+        model, tokenizer = load_target(name_or_path, torch_dtype, device)
+        return model, tokenizer, torch_dtype
+    # Packed from the float32 weights (for the embedded default: the GGUF's values exactly, which
+    # int4 re-packs into the file's own blocks), then everything left over in the activations' dtype.
+    model, tokenizer = load_target(name_or_path, torch.float32, device)
     packed = pack_weights(model, dtype)
-    if packed:
-        log.info("%d linear layers packed as weight-only %s (bf16 activations)", packed, dtype)
-    return model, tokenizer, torch_dtype
+    log.info("%d linear layers packed as weight-only %s (bf16 activations)", packed, dtype)
+    return model.to(torch_dtype), tokenizer, torch_dtype
 
 
 def pack_weights(model: PreTrainedModel, dtype: str) -> int:
-    """`dtype` 'int8': the model's linear layers become weight-only int8 (model/nn/packed.py; the
-    LM head keeps its dense weight for a drafter to borrow); other dtypes: nothing. The count packed."""
-    if dtype != "int8":
+    """`dtype` 'int8': the model's linear layers become weight-only int8; 'int4': the decoder's
+    become int4 in groups of 32 (GGUF Q4_1's blocks) and the LM head int8 (the GGUF keeps it in
+    8 bits, Q8_0); model/nn/packed.py. The LM head keeps its dense weight for a drafter to borrow.
+    Other dtypes: nothing. The count packed."""
+    if dtype not in PACKED:
         return 0
-    from model.nn.packed import pack_int8
+    from model.nn.packed import Int4Linear, Int8Linear, pack_linears
 
-    return pack_int8(model, dense=model.get_output_embeddings())
+    head = model.get_output_embeddings()
+    if dtype == "int8":
+        return pack_linears(model, Int8Linear, dense=head)
+    count = pack_linears(model.get_decoder(), Int4Linear)
+    model.set_output_embeddings(Int8Linear(head, keep_dense=True))
+    return count + 1
 
 
 def load_target(

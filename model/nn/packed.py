@@ -1,20 +1,26 @@
-"""Weight-only int8 linear layers for the CPU (`DOMINO_DTYPE=int8`, issue 56).
+"""Weight-only packed linear layers for the CPU (`DOMINO_DTYPE=int8|int4`, issue 56).
 
 On a CPU a one-token decode step is mostly its matmuls reading the weights (docs/benchmarks.md,
 "The embedded default against llama.cpp": 61 % of a step, at ~5.5 GB/s for bf16 on one thread).
-Stored as int8 with one bf16 scale per output channel, a layer reads half the bytes of bf16, and
-torch's weight-only kernel (`torch._weight_int8pack_mm`: `x @ (w * s[:, None]).T`) takes bf16
-activations on its vectorized x86 path (fp32 activations go to a scalar one ~10x slower), so the
-model keeps bf16 activations and only its `nn.Linear` weights change.
+Packed, a layer reads a half (int8) or under a third (int4 in groups of 32) of bf16's bytes.
+torch's weight-only kernels take bf16 activations on their vectorized x86 path (fp32 activations
+go to a scalar one ~10x slower), so the model keeps bf16 activations and only its `nn.Linear`
+weights change:
 
-The int8 kernel pays only for a few rows: measured here (AMD EPYC, one thread), a 1536×576 layer
-takes 0.048 ms for one row against 0.088 in bf16, as much at 4 rows, and 1.7-2.5× bf16's time from
-9 rows on; a 500-token prefill through it would take 2.5× longer. So a layer also keeps its int8
-weight de-quantized to bf16 and runs more than `INT8_ROWS` rows through that: the same weights
-(up to bf16's rounding of q × scale), the dense kernel, 1.5× bf16's memory in all.
+- int8 (`torch._weight_int8pack_mm`: `x @ (q * s[:, None]).T`): per output channel, symmetric,
+  scale = max |w| / 127.
+- int4 (`torch._weight_int4pack_mm_for_cpu`: `w = (q - 8) * scale + zero` per group of 32 inputs):
+  asymmetric per group, scale = (max - min) / 15 and zero = min + 8 * scale, which is GGUF's Q4_1
+  (`w = q * d + m`, d = (max - min) / 15, m = min) written in torch's form. On weights de-quantized
+  from a Q4_1 file (the embedded default) min and max are the block's own q = 0 and q = 15 values,
+  so this recovers the file's d and m exactly; only their rounding to bf16 (the kernel's dtype)
+  moves a weight, by at most 1/64 of its group's step.
 
-Per output channel, symmetric: scale = max |w| / 127, q = round(w / scale). The LM head keeps a
-reference to its dense weight (tied to the embedding in small models, and what a drafter borrows).
+The packed kernels pay only for a few rows: measured here (AMD EPYC, one thread), a 1536×576
+layer takes 0.048 ms for one row in either format against 0.084 in bf16, about as much at 4 rows,
+and 1.6-2.5× bf16's time from 9 rows on; a 500-token prefill through them would take 2-2.5×
+longer. So a layer also keeps its weight de-quantized to bf16 and runs more than `PACKED_ROWS`
+rows through that: the same weights, the dense kernel, bf16's memory on top of the packed one.
 """
 
 from __future__ import annotations
@@ -23,54 +29,94 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-INT8_ROWS = 4  # rows (tokens) up to which the int8 kernel beats the dense one; more take `wide`
+PACKED_ROWS = 4  # rows (tokens) up to which the packed kernels beat the dense one; more take `wide`
+INT4_GROUP = 32  # inputs per int4 scale/zero: GGUF Q4_1's block
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (q * scale[:, None]).T (+ bias), q int8 [out, in], scale bf16 [out]."""
+class PackedLinear(nn.Module):
+    """A linear layer applying a packed weight to up to `PACKED_ROWS` rows and its bf16
+    de-quantization (`wide`) to more. Subclasses pack in `__init__` and apply in `packed_mm`."""
 
-    def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, keep_dense: bool) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("wide", self.dequantized(), persistent=False)  # for more than INT8_ROWS rows
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16))
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16))
         # The dense weight where something else reads it (a drafter borrows the LM head's rows).
         self.dense = linear.weight if keep_dense else None
 
     @property
     def weight(self) -> torch.Tensor:
         if self.dense is None:
-            raise AttributeError("an Int8Linear keeps no dense weight (keep_dense=False)")
+            raise AttributeError(f"a {type(self).__name__} keeps no dense weight (keep_dense=False)")
         return self.dense
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight this layer applies, [out, in] in bf16."""
-        return (self.qweight.float() * self.scale.float()[:, None]).to(torch.bfloat16)
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if rows.shape[0] <= INT8_ROWS:
-            y = torch._weight_int8pack_mm(rows, self.qweight, self.scale)
-        else:
-            y = F.linear(rows, self.wide)
+        y = self.packed_mm(rows) if rows.shape[0] <= PACKED_ROWS else F.linear(rows, self.wide)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def pack_int8(model: nn.Module, dense: nn.Module | None = None) -> int:
-    """Every `nn.Linear` under `model` becomes an `Int8Linear` (`dense`, e.g. the LM head, keeps
-    its dense weight too); the count replaced."""
+class Int8Linear(PackedLinear):
+    """y = x @ (q * scale[:, None]).T (+ bias), q int8 [out, in], scale bf16 [out]."""
+
+    def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
+        super().__init__(linear, keep_dense)
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("wide", self.dequantized(), persistent=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer applies, [out, in] in bf16."""
+        return (self.qweight.float() * self.scale.float()[:, None]).to(torch.bfloat16)
+
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.qweight, self.scale)
+
+
+class Int4Linear(PackedLinear):
+    """y = x @ ((q - 8) * scale + zero).T (+ bias) per group of `INT4_GROUP` inputs: q in 0..15
+    packed two to a byte ([out, in / 2] uint8, torch's CPU layout), scale and zero bf16
+    [in / group, out, 2]."""
+
+    def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
+        super().__init__(linear, keep_dense)
+        out_f, in_f = self.out_features, self.in_features
+        if in_f % INT4_GROUP or out_f % 16:  # the kernel's layout packs 16 output channels together
+            raise ValueError(
+                f"int4 needs in_features divisible by {INT4_GROUP} and out_features by 16, got {in_f}, {out_f}"
+            )
+        w = linear.weight.detach().float().view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        lo, hi = w.amin(-1), w.amax(-1)
+        step = (hi - lo) / 15
+        safe = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: q = 0, w = lo
+        q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.int32)
+        scales_zeros = torch.stack([step, lo + 8 * step], dim=-1).to(torch.bfloat16)  # [out, groups, 2]
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.view(out_f, in_f), 1))
+        self.register_buffer("scales_zeros", scales_zeros.transpose(0, 1).contiguous())
+        s, z = scales_zeros.float().unbind(-1)
+        wide = (q.float() - 8) * s[..., None] + z[..., None]  # what the kernel applies, in fp32
+        self.register_buffer("wide", wide.view(out_f, in_f).to(torch.bfloat16), persistent=False)
+
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.qweight, INT4_GROUP, self.scales_zeros)
+
+
+def pack_linears(model: nn.Module, kind: type[PackedLinear], dense: nn.Module | None = None) -> int:
+    """Every `nn.Linear` under `model` becomes a `kind` layer (`dense`, e.g. the LM head, keeps its
+    dense weight too); the count replaced."""
     count = 0
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, Int8Linear(child, keep_dense=child is dense))
+            setattr(model, name, kind(child, keep_dense=child is dense))
             count += 1
         else:
-            count += pack_int8(child, dense)
+            count += pack_linears(child, kind, dense)
     return count

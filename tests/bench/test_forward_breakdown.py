@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.forward_breakdown import profiled_split, step_ms, weights_ms
+from bench.forward_breakdown import layer_ms, linear_layers, profiled_split, step_ms
 from model.engine.engine import Engine
+from model.load.loading import pack_weights
 from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 
 
 def test_the_parts_time_what_they_name() -> None:
     target = TargetModel(tiny_target())
-    ms, nbytes = weights_ms(target, warmup=1, repeats=3)
-    linears = [m for m in target.hf_model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = linear_layers(target)
+    assert len(linears) == 4 * 7 + 1 and linears[-1] is target.lm_head
+    ms, nbytes = layer_ms(linears, target.dtype, warmup=1, repeats=3)
     assert ms > 0 and nbytes == sum(m.weight.numel() * 4 for m in linears)  # fp32, the LM head included
     prompt = list(range(3, 40))
     for mode, drafter in (("ar", None), ("domino", tiny_drafter())):
@@ -27,3 +29,16 @@ def test_the_parts_time_what_they_name() -> None:
     assert split["matmuls"] > 0 and split["attention"] > 0 and split["other ops"] > 0
     assert sum(split[p] for p in parts) == pytest.approx(split["profiled step"])
     assert not engine.has_unfinished()
+
+
+def test_packed_layers_count_their_packed_bytes() -> None:
+    """int4: half a byte a weight plus a bf16 scale and zero per 32; the LM head int8 plus a scale a row."""
+    model = tiny_target().to(torch.bfloat16)
+    dense = [(m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    pack_weights(model, "int4")
+    linears = linear_layers(TargetModel(model))
+    assert len(linears) == len(dense)
+    ms, nbytes = layer_ms(linears, torch.bfloat16, warmup=1, repeats=2)
+    *body, (head_in, head_out) = dense
+    expected = sum(i * o // 2 + (i // 32) * o * 4 for i, o in body) + head_in * head_out + 2 * head_out
+    assert ms > 0 and nbytes == expected

@@ -1,5 +1,5 @@
-"""Weight-only int8 linear layers (model/nn/packed.py, DOMINO_DTYPE=int8): what they compute, and an
-engine over them decoding exactly what HF generate decodes with the same (de-quantized) weights."""
+"""Weight-only packed linear layers (model/nn/packed.py, DOMINO_DTYPE=int8|int4): what they compute,
+and an engine over them decoding what HF generate decodes with the same (de-quantized) weights."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from model.engine.engine import Engine, SamplingParams
 from model.load.loading import pack_weights, resolve_dtype
-from model.nn.packed import INT8_ROWS, Int8Linear
+from model.nn.packed import PACKED_ROWS, Int4Linear, Int8Linear, PackedLinear
 from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
 from tests.model.test_engine import _hf_greedy, _prompts
@@ -33,23 +33,58 @@ def test_an_int8_layer_applies_its_dequantized_weight() -> None:
     expected = (x.float() @ w.T + linear.bias.detach().float()).to(torch.bfloat16)
     torch.testing.assert_close(packed(x), expected, rtol=2e-2, atol=2e-2)
     assert packed(x).shape == (3, 5, 48) and packed.qweight.dtype == torch.int8
-    # Up to INT8_ROWS rows through the int8 kernel, more through the de-quantized weight: the same.
-    few = x[0, :INT8_ROWS]
-    torch.testing.assert_close(packed(few), packed(x)[0, :INT8_ROWS], rtol=2e-2, atol=2e-2)
+    # Up to PACKED_ROWS rows through the int8 kernel, more through the de-quantized weight: the same.
+    few = x[0, :PACKED_ROWS]
+    torch.testing.assert_close(packed(few), packed(x)[0, :PACKED_ROWS], rtol=2e-2, atol=2e-2)
     with pytest.raises(AttributeError, match="weight"):
         _ = packed.weight
 
 
+def test_an_int4_layer_recovers_q4_1_blocks_and_applies_them() -> None:
+    """A weight made of GGUF Q4_1 blocks (w = q * d + m per 32 inputs, d and m fp16, each block
+    using q = 0 and q = 15 as the format's quantizer does) packs into exactly those d and m, in
+    torch's form (scale d, zero m + 8d, rounded to bf16); the layer applies them on both paths."""
+    torch.manual_seed(0)
+    out_f, in_f = 32, 96
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_f, in_f // 32) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(out_f, in_f // 32) * 0.1).half().float()
+    linear = nn.Linear(in_f, out_f, bias=False)
+    linear.weight.data = (q * d[..., None] + m[..., None]).view(out_f, in_f)
+    packed = Int4Linear(linear)
+    scale, zero = packed.scales_zeros.float().unbind(-1)  # [groups, out]
+    assert torch.equal(scale.T, d.bfloat16().float()) and torch.equal(zero.T, (m + 8 * d).bfloat16().float())
+    applied = ((q - 8) * scale.T[..., None] + zero.T[..., None]).view(out_f, in_f)
+    assert torch.equal(packed.wide, applied.bfloat16())
+    # Off the grid, a weight moves by at most half a step (plus the bf16 scale's rounding).
+    linear.weight.data = torch.randn(out_f, in_f) * 0.05
+    packed = Int4Linear(linear)
+    w = linear.weight.view(out_f, in_f // 32, 32)
+    step = ((w.amax(-1) - w.amin(-1)) / 15)[..., None]
+    assert ((packed.wide.float().view_as(w) - w).abs() <= 0.55 * step + 0.01 * w.abs()).all()
+    x = torch.randn(2, 7, in_f, dtype=torch.bfloat16)
+    expected = (x.float() @ packed.wide.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(packed(x), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(packed(x[0, :PACKED_ROWS]), expected[0, :PACKED_ROWS], rtol=2e-2, atol=2e-2)
+    for bad in (nn.Linear(40, 16), nn.Linear(32, 8)):
+        with pytest.raises(ValueError, match="divisible"):
+            Int4Linear(bad)
+
+
 def _dequantized_fp32(model: nn.Module) -> nn.Module:
-    """A float32 copy of `model` whose Int8Linear layers are nn.Linear layers holding the weights
-    they apply (int8 x scale, exactly, in float32)."""
+    """A float32 copy of `model` whose packed layers are nn.Linear layers holding the weights they
+    apply (int8 x scale exactly; int4 as de-quantized to bf16), in float32."""
     copy = deepcopy(model)
 
     def swap(module: nn.Module) -> None:
         for name, child in list(module.named_children()):
-            if isinstance(child, Int8Linear):
+            if isinstance(child, PackedLinear):
                 dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense.weight = nn.Parameter(child.qweight.float() * child.scale.float()[:, None])
+                if isinstance(child, Int8Linear):
+                    dense.weight = nn.Parameter(child.qweight.float() * child.scale.float()[:, None])
+                else:
+                    dense.weight = nn.Parameter(child.wide.float())
                 setattr(module, name, dense)
             else:
                 swap(child)
@@ -58,13 +93,17 @@ def _dequantized_fp32(model: nn.Module) -> nn.Module:
     return copy.float()
 
 
-def test_an_int8_engine_decodes_what_hf_generate_does_on_the_same_weights() -> None:
-    """The tiny target packed as int8 (the LM head too, keeping the dense weight a drafter
-    borrows): `ar` and `domino` greedy output against HF generate in float32 on the weights the
-    int8 layers apply. bf16 activations may part from it only at near-ties: where an output first
-    differs, the reference's top two logits are within 2 % of the logits' spread."""
+@pytest.mark.parametrize("packing", ["int8", "int4"])
+def test_a_packed_engine_decodes_what_hf_generate_does_on_the_same_weights(packing: str) -> None:
+    """The tiny target packed (int8: the LM head too; int4: the decoder, the LM head int8; the head
+    keeping the dense weight a drafter borrows): `ar` and `domino` greedy output against HF generate
+    in float32 on the weights the packed layers apply. bf16 activations may part from it only at
+    near-ties: where an output first differs, the reference's top two logits are within 2 % of the
+    logits' spread."""
     model = tiny_target().to(torch.bfloat16)
-    assert pack_weights(model, "int8") == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    assert pack_weights(model, packing) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
+    kinds = {type(m) for m in model.modules() if isinstance(m, PackedLinear)}
+    assert kinds == ({Int8Linear} if packing == "int8" else {Int4Linear, Int8Linear})
     reference = _dequantized_fp32(model)
     prompts, budgets = _prompts(4), [12, 9, 14, 10]
     refs = [_hf_greedy(reference, p, n) for p, n in zip(prompts, budgets)]
@@ -84,27 +123,33 @@ def test_an_int8_engine_decodes_what_hf_generate_does_on_the_same_weights() -> N
         assert same >= 2, mode  # most rows exact
 
 
-def test_int8_is_a_cpu_dtype() -> None:
-    assert resolve_dtype("int8", "cpu") == torch.bfloat16
-    with pytest.raises(ValueError, match="DOMINO_DTYPE"):
-        resolve_dtype("int8", "cuda")
-    with pytest.raises(ValueError, match="int8"):
-        resolve_dtype("int4", "cpu")
+def test_packed_dtypes_are_cpu_dtypes() -> None:
+    for packing in ("int8", "int4"):
+        assert resolve_dtype(packing, "cpu") == torch.bfloat16
+        with pytest.raises(ValueError, match="DOMINO_DTYPE"):
+            resolve_dtype(packing, "cuda")
+    with pytest.raises(ValueError, match="int4"):
+        resolve_dtype("int2", "cpu")
 
 
-def test_dtype_int8_builds_a_packed_engine_from_a_checkpoint(tiny_target_dir: Path, tiny_drafter_dir: Path) -> None:
-    """What `DOMINO_DTYPE=int8` starts: the target's linear layers packed, bf16 elsewhere, the
+@pytest.mark.parametrize("packing", ["int8", "int4"])
+def test_a_packed_dtype_builds_a_packed_engine_from_a_checkpoint(
+    packing: str, tiny_target_dir: Path, tiny_drafter_dir: Path
+) -> None:
+    """What `DOMINO_DTYPE=int8|int4` starts: the target's linear layers packed, bf16 elsewhere, the
     drafter borrowing the LM head's dense rows; it decodes. On a GPU it is refused, naming the setting."""
     from model.load.loading import build_engine
 
     engine, _ = build_engine(
-        str(tiny_target_dir), str(tiny_drafter_dir), mode="domino", dtype="int8", device="cpu",
+        str(tiny_target_dir), str(tiny_drafter_dir), mode="domino", dtype=packing, device="cpu",
         max_batch_size=2, max_model_len=64,
     )  # fmt: skip
     layers = list(engine.target.hf_model.modules())
-    assert sum(isinstance(m, Int8Linear) for m in layers) > 0 and not any(isinstance(m, nn.Linear) for m in layers)
+    kind = Int8Linear if packing == "int8" else Int4Linear
+    assert sum(isinstance(m, kind) for m in layers) > 0 and not any(isinstance(m, nn.Linear) for m in layers)
     assert engine.target.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in engine.target.hf_model.parameters())
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert len(out[0][0]) == 6
     with pytest.raises(ValueError, match="DOMINO_DTYPE"):
-        build_engine(str(tiny_target_dir), None, mode="ar", dtype="int8", device="cuda")
+        build_engine(str(tiny_target_dir), None, mode="ar", dtype=packing, device="cuda")
