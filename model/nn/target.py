@@ -18,6 +18,7 @@ from torch import nn
 
 from model.kv.target_cache import PackedGroup, RaggedKVCache, check_cache_written
 from model.nn.attention import PACKED_KWARG, use_packed_attention
+from model.nn.lean import LeanDecoder, lean_unsupported
 
 
 def cache_argument(forward: Callable[..., Any]) -> str:
@@ -55,7 +56,9 @@ class RowGroup:
 class TargetModel:
     """Wraps an HF causal LM: ragged forwards over a RaggedKVCache, with hidden-state taps."""
 
-    def __init__(self, hf_model: nn.Module, tap_layer_ids: list[int] | None = None) -> None:
+    def __init__(self, hf_model: nn.Module, tap_layer_ids: list[int] | None = None, lean: bool = True) -> None:
+        """`lean`: run Llama-family decoders through model/nn/lean.py (the same arithmetic, less
+        machinery); other architectures, or `lean=False`, through transformers' own forward."""
         self.hf_model = hf_model.eval()
         use_packed_attention(hf_model)  # grouped heads without copying the cache (model/nn/attention.py)
         self.config = hf_model.config
@@ -72,6 +75,7 @@ class TargetModel:
         self.head_dim = int(
             getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
         )
+        self.lean = LeanDecoder(self.decoder) if lean and lean_unsupported(self.config) is None else None
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list[Any] = []
         self.tap_layer_ids: list[int] = []
@@ -135,20 +139,40 @@ class TargetModel:
         positions = start[:, None] + torch.arange(t, device=tokens.device)[None, :]
         cache.prepare(lo, start, t, span=span)
         mask = self._causal_mask(positions, cache.get_seq_length())
-        self._captured.clear()
-        kwargs = {self.cache_kwarg: cache}
-        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
-        check_cache_written(cache, self.num_layers)  # host-side only: no sync, fine inside a graph capture
-        hidden = all_hidden = out.last_hidden_state
+        taps = self.tap_layer_ids if taps is None else taps
+        hidden, captured = self._decode(cache, tokens, positions, mask, taps if want_features else [], {})
+        all_hidden = hidden
         if logits_at is not None:
             hidden = hidden[torch.arange(r, device=hidden.device), logits_at][:, None]
         logits = self.lm_head(hidden)
         features = None
-        taps = self.tap_layer_ids if taps is None else taps
         if want_features and taps:
-            features = torch.cat([self._captured[i] for i in taps], dim=-1)
-        self._captured.clear()
+            features = torch.cat([captured[i] for i in taps], dim=-1)
         return TargetOutput(logits=logits, features=features, hidden=all_hidden if keep_hidden else None)
+
+    def _decode(
+        self,
+        cache: RaggedKVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        taps: list[int],
+        extra: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder over `cache` (prepared): final hidden states and the tapped layers' outputs.
+        A packed forward passes `extra` (its cache under PACKED_KWARG) and a placeholder mask."""
+        if self.lean is not None:
+            hidden, captured = self.lean(tokens, positions, None if extra else mask, cache, frozenset(taps))
+        else:
+            self._captured.clear()
+            kwargs = {self.cache_kwarg: cache, **extra}
+            out = self.decoder(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+            )  # fmt: skip
+            hidden, captured = out.last_hidden_state, dict(self._captured)
+            self._captured.clear()
+        check_cache_written(cache, self.num_layers)  # host-side only: no sync, fine inside a graph capture
+        return hidden, captured
 
     def _causal_mask(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """[R, 1, T, kv_len]: each row's token at `positions` [R, T] sees its own committed prefix
@@ -182,20 +206,16 @@ class TargetModel:
         tokens = torch.cat([g.tokens.reshape(-1) for g in groups])[None]
         # A 4D mask is taken as it is; each group's own masks are in `packed`.
         placeholder = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=dev)
-        self._captured.clear()
-        kwargs = {self.cache_kwarg: cache, PACKED_KWARG: cache}
+        taps = self.tap_layer_ids if taps is None else taps
         try:
-            out = self.decoder(
-                input_ids=tokens, attention_mask=placeholder, position_ids=torch.cat(positions)[None],
-                use_cache=True, **kwargs,
+            hidden, captured = self._decode(
+                cache, tokens, torch.cat(positions)[None], placeholder, taps if want_features else [],
+                {PACKED_KWARG: cache},
             )  # fmt: skip
         finally:
             cache.packed = []
-        check_cache_written(cache, self.num_layers)
-        taps = self.tap_layer_ids if taps is None else taps
-        hidden = out.last_hidden_state[0]
-        tapped = torch.cat([self._captured[i][0] for i in taps], dim=-1) if want_features and taps else None
-        self._captured.clear()
+        hidden = hidden[0]
+        tapped = torch.cat([captured[i][0] for i in taps], dim=-1) if want_features and taps else None
         outputs = []
         for g, p in zip(groups, packed):
             r, t = g.tokens.shape

@@ -179,7 +179,7 @@ def test_cache_argument_picks_the_name_the_decoder_takes() -> None:
 
 
 def test_a_forward_whose_cache_was_not_written_is_an_error() -> None:
-    target = TargetModel(tiny_target("qwen3"))
+    target = TargetModel(tiny_target("qwen3"), lean=False)  # transformers' forward takes the cache by name
     cache = target.new_cache(2, 32)
     tokens = torch.randint(0, 128, (2, 3))
     target.forward(cache, 0, tokens)  # the right name: every layer wrote once
