@@ -24,6 +24,7 @@ import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from model.engine.engine import Engine
+from model.load.loading import PACKED
 from model.nn.drafter import Drafter, DrafterConfig, default_target_layer_ids
 from model.nn.target import TargetModel
 
@@ -324,6 +325,12 @@ def measured_on(device: torch.device, dtype: torch.dtype, build_s: float, **extr
 
 
 # -- flags -------------------------------------------------------------------------------------
+
+
+def dtype_label(dtype_arg: str, activations: torch.dtype) -> str:
+    """What a report names the target's dtype: `int4 weights, bf16 activations` for a packed one."""
+    name = str(activations).removeprefix("torch.")
+    return f"{dtype_arg} weights, {name} activations" if dtype_arg in PACKED else name
 
 
 DTYPE_HELP = (

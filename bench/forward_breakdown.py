@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cpu = common.cpu_info()
     result = {
         "cpu": cpu,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": common.dtype_label(args.dtype, dtype),
         "threads": args.threads,
         "context": args.context,
         "ar_step_ms": ar_ms,

@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     meta = {
         "cpu": f"{cpu['cpu']}{', AVX-512 BF16' if cpu['avx512_bf16'] else ', no AVX-512 BF16'}",
         "threads": args.threads,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": common.dtype_label(args.dtype, dtype),
         "prompts": len(prompts),
         "prompts_file": args.prompts,
         "offset": args.offset,

@@ -18,9 +18,13 @@ weights change:
 
 The packed kernels pay only for a few rows: measured here (AMD EPYC, one thread), a 1536×576
 layer takes 0.048 ms for one row in either format against 0.084 in bf16, about as much at 4 rows,
-and 1.6-2.5× bf16's time from 9 rows on; a 500-token prefill through them would take 2-2.5×
-longer. So a layer also keeps its weight de-quantized to bf16 and runs more than `PACKED_ROWS`
-rows through that: the same weights, the dense kernel, bf16's memory on top of the packed one.
+and 1.6-2.5× bf16's time from 9 rows on when its weights are in cache; a 500-token prefill
+through them would take 2-2.5× longer. So a layer also keeps its weight de-quantized to bf16 and
+runs more than `max_rows` rows through that: the same weights, the dense kernel, bf16's memory on
+top of the packed one. Where the crossing lies is a whole forward's matter (bf16 reads 4× int4's
+bytes from memory): for the embedded default's int4 forward after 300 tokens, T = 5-8 tokens took
+42-49 ms through the int4 kernel and 61-76 ms through the bf16 copy, T = 12 as long either way;
+for int8, whose kernel is slower, the crossing stays at 4.
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED_ROWS = 4  # rows (tokens) up to which the packed kernels beat the dense one; more take `wide`
 INT4_GROUP = 32  # inputs per int4 scale/zero: GGUF Q4_1's block
 
 
 class PackedLinear(nn.Module):
-    """A linear layer applying a packed weight to up to `PACKED_ROWS` rows and its bf16
+    """A linear layer applying a packed weight to up to `max_rows` rows and its bf16
     de-quantization (`wide`) to more. Subclasses pack in `__init__` and apply in `packed_mm`."""
+
+    max_rows = 4  # rows (tokens) up to which the packed kernel beats the dense one; more take `wide`
 
     def __init__(self, linear: nn.Linear, keep_dense: bool) -> None:
         super().__init__()
@@ -58,8 +63,9 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if x.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
-        y = self.packed_mm(rows) if rows.shape[0] <= PACKED_ROWS else F.linear(rows, self.wide, self.bias)
-        if self.bias is not None and rows.shape[0] <= PACKED_ROWS:
+        packed = rows.shape[0] <= self.max_rows
+        y = self.packed_mm(rows) if packed else F.linear(rows, self.wide, self.bias)
+        if self.bias is not None and packed:
             y = y + self.bias
         y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
@@ -88,6 +94,8 @@ class Int4Linear(PackedLinear):
     """y = x @ ((q - 8) * scale + zero).T (+ bias) per group of `INT4_GROUP` inputs: q in 0..15
     packed two to a byte ([out, in / 2] uint8, torch's CPU layout), scale and zero bf16
     [in / group, out, 2]."""
+
+    max_rows = 11  # a verify of up to 10 drafts stays on the int4 kernel (see the module's note)
 
     def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
         super().__init__(linear, keep_dense)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.llama_cpp import (
     Record,
@@ -97,3 +98,10 @@ def test_a_missing_server_is_refused_with_how_to_build_it(tmp_path: Path, capsys
         parse_args(["--server", str(server), "--spec", "eagle"])
     args = parse_args(["--server", str(server), "--spec", "none", "--ours", "ar,domino"])
     assert args.spec == [] and args.ours == ["ar", "domino"]
+
+
+def test_a_packed_target_is_named_by_its_weights_and_activations() -> None:
+    from bench.common import dtype_label
+
+    assert dtype_label("int4", torch.bfloat16) == "int4 weights, bfloat16 activations"
+    assert dtype_label("auto", torch.bfloat16) == "bfloat16"
