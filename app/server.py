@@ -95,6 +95,7 @@ def load_engine(settings: Settings) -> tuple[Engine, Any]:
         engine.max_batch_size,
         engine.max_model_len,
     )
+    log.info("%s", engine.target.summary())
     log.info("%s", engine.runner.kv_summary())
     if engine.cost_probe is not None:
         log.info("%s", engine.cost_probe.summary())

@@ -81,6 +81,28 @@ class TargetModel:
         self.tap_layer_ids: list[int] = []
         self.set_taps(tap_layer_ids or [])
 
+    def summary(self) -> str:
+        """What runs a forward, for the start-up log: the weights' format and the decoder's path."""
+        from model.nn.packed import PackedLinear
+
+        packed: dict[str, int] = {}
+        for module in self.hf_model.modules():
+            if isinstance(module, PackedLinear):
+                name = type(module).__name__.removesuffix("Linear").lower()
+                packed[name] = packed.get(name, 0) + 1
+        dtype = str(self.dtype).removeprefix("torch.")
+        if packed:
+            kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(packed.items()))
+            weights = f"packed linear layers ({kinds}), {dtype} activations"
+        else:
+            weights = f"{dtype} weights"
+        reason = lean_unsupported(self.config)
+        if self.lean is not None:
+            path = "lean Llama-family forward (model/nn/lean.py)"
+        else:
+            path = f"transformers' forward ({reason or 'lean forward turned off'})"
+        return f"target: {weights}; {path}"
+
     def set_taps(self, tap_layer_ids: list[int]) -> None:
         """Capture the outputs of these decoder layers (HF `hidden_states[l + 1]`)."""
         for h in self._hooks:

@@ -87,7 +87,16 @@ def test_what_the_lean_forward_leaves_to_transformers() -> None:
     # Such a model runs through transformers' forward.
     model = tiny_target(hidden_act="gelu")
     target = TargetModel(model)
-    assert target.lean is None
+    assert target.lean is None and "transformers' forward (hidden_act 'gelu')" in target.summary()
     prompt = _prompts(1)[0]
     engine = Engine(target, None, mode="ar", max_batch_size=1, max_model_len=64)
     assert engine.generate([prompt], SamplingParams(max_new_tokens=6))[0][0] == _hf_greedy(model, prompt, 6)
+
+
+def test_the_start_up_summary_names_the_weights_and_the_forward() -> None:
+    model = tiny_target().to(torch.bfloat16)
+    assert TargetModel(model).summary() == "target: bfloat16 weights; lean Llama-family forward (model/nn/lean.py)"
+    pack_weights(model, "int4")
+    summary = TargetModel(model, lean=False).summary()
+    assert summary.startswith("target: packed linear layers (28 int4, 1 int8), bfloat16 activations;")
+    assert summary.endswith("transformers' forward (lean forward turned off)")
