@@ -154,3 +154,38 @@ def test_a_packed_dtype_builds_a_packed_engine_from_a_checkpoint(
     assert len(out[0][0]) == 6
     with pytest.raises(ValueError, match="DOMINO_DTYPE"):
         build_engine(str(tiny_target_dir), None, mode="ar", dtype=packing, device="cuda")
+
+
+def test_auto_on_a_cpu_keeps_the_faster_of_int4_and_bf16() -> None:
+    """`choose_cpu_format` (DOMINO_DTYPE=auto for the embedded default on a native-bf16 CPU) times
+    both formats of the same float32 weights and returns the one it names, ready to decode."""
+    from model.load.cpu_format import choose_cpu_format
+
+    reference = tiny_target()
+    prompt = _prompts(1)[0]
+    model, chosen, timings = choose_cpu_format(deepcopy(reference))
+    assert set(timings) == {"int4", "bfloat16"} and all(ms > 0 for ms in timings.values())
+    assert chosen == min(timings, key=lambda name: timings[name])
+    packed = any(isinstance(m, Int4Linear) for m in model.modules())
+    assert packed == (chosen == "int4")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    engine = Engine(TargetModel(model), None, mode="ar", max_batch_size=1, max_model_len=64)
+    assert len(engine.generate([prompt], SamplingParams(max_new_tokens=5))[0][0]) == 5
+
+
+@pytest.mark.slow
+def test_auto_serves_the_embedded_default_in_a_measured_format(caplog: pytest.LogCaptureFixture) -> None:
+    """On a CPU with native bf16 `auto` measures int4 against bf16 for the embedded default and says
+    which it kept and why; elsewhere it loads float32 as before."""
+    import logging
+
+    from model.load.loading import DEFAULT_TARGET, cpu_has_native_bf16, load_target_as
+
+    with caplog.at_level(logging.INFO, logger="model.load.loading"):
+        model, _, dtype = load_target_as(DEFAULT_TARGET, "auto", "cpu")
+    if not cpu_has_native_bf16():
+        assert dtype == torch.float32 and "dtype auto" not in caplog.text
+        return
+    assert dtype == torch.bfloat16 and "dtype auto:" in caplog.text and "ms int4" in caplog.text
+    packed = any(isinstance(m, Int4Linear) for m in model.modules())
+    assert ("dtype auto: int4 weights" in caplog.text) == packed
