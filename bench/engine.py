@@ -33,6 +33,7 @@ from model.load.loading import (
     DEFAULT_TARGET,
     eos_token_ids,
     load_target_as,
+    match_packing,
 )
 from model.load.prompts import load_prompt_file
 from model.nn.drafter import Drafter
@@ -307,6 +308,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dflash_path = args.dflash_drafter or (str(DEFAULT_DFLASH_DRAFTER_DIR) if args.target == DEFAULT_TARGET else None)
     domino = load_drafter(domino_path, dtype=dtype, target_config=model.config) if domino_path else None
     dflash = load_drafter(dflash_path, dtype=dtype, target_config=model.config) if dflash_path else None
+    for drafter in (domino, dflash):
+        if drafter is not None:
+            match_packing(model, drafter)
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
     engines = build_engines(target, modes, domino, dflash, eos, max_len, ngram=not args.no_ngram)
     num_drafts = {m: e.max_drafts_per_step for m, e in engines.items()}

@@ -29,7 +29,7 @@ from bench import common
 from bench.report import write_reports
 from model.engine.engine import Engine, SamplingParams
 from model.load.checkpoint import load_drafter
-from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target_as
+from model.load.loading import DEFAULT_DRAFTER_DIR, DEFAULT_TARGET, load_target_as, match_packing
 from model.load.prompts import load_prompt_file
 from model.nn.packed import PackedLinear
 from model.nn.target import TargetModel
@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer, dtype = load_target_as(DEFAULT_TARGET, args.dtype)
     target = TargetModel(model)
     drafter = load_drafter(str(DEFAULT_DRAFTER_DIR), dtype=dtype, target_config=model.config)
+    match_packing(model, drafter)
     # Real text before the step (the held-out prompts end to end), so the drafter drafts as it would.
     ids = [t for p in load_prompt_file(Path(args.prompts), tokenizer) for t in p][: args.context]
     max_len = args.context + (args.warmup + args.repeats + 2) * 17 + 64

@@ -42,6 +42,7 @@ from model.load.loading import (
     DEFAULT_TARGET,
     eos_token_ids,
     load_target_as,
+    match_packing,
 )
 from model.load.prompts import load_prompt_file
 from model.load.wheels import default_cache_dir, fetch_pinned_wheel
@@ -274,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     long_prompt = [t for p in every for t in p][: args.ttft_tokens]
     target = TargetModel(model)
     drafter = load_drafter(str(DEFAULT_DRAFTER_DIR), dtype=dtype, target_config=model.config)
+    match_packing(model, drafter)
     max_len = max(args.ttft_tokens, *map(len, prompts)) + args.max_new_tokens + 1
     engines = build_engines(target, [s for s in args.ours if s != "hf-generate"], drafter, None, eos, max_len)
     gguf = extract_gguf(args.server.parent.parent)

@@ -293,6 +293,9 @@ class Drafter(nn.Module):
         # The target's frozen embedding and LM head; see bind_target.
         self._embed_weight: torch.Tensor | None = None
         self._lm_head_weight: torch.Tensor | None = None
+        # Packed weights on a CPU (`pack`): the layer kind, and the LM head rows packed with it.
+        self._packing: type[nn.Module] | None = None
+        self._lm_head: nn.Module | None = None
 
     # -- target binding -------------------------------------------------------------------------
     def bind_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -300,7 +303,32 @@ class Drafter(nn.Module):
         self._embed_weight = embed_weight
         self.refresh_lm_head(lm_head_weight)
 
+    def pack(self, kind: type[nn.Module]) -> int:
+        """Pack every linear layer, and the LM head rows once bound, as `kind` (model/nn/packed.py:
+        a CPU target in int4 drafts with int4 too). Drafts only get cheaper or worse; what is
+        committed is still the target's choice. The count of layers packed."""
+        from model.nn.packed import pack_linears
+
+        count = pack_linears(self, kind)
+        self._packing = kind
+        if self._lm_head_weight is not None:
+            self._pack_lm_head()
+        return count
+
+    def _pack_lm_head(self) -> None:
+        assert self._packing is not None and self._lm_head_weight is not None
+        rows = self._lm_head_weight
+        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(rows.detach(), requires_grad=False)
+        fits = getattr(self._packing, "fits", lambda _: True)
+        self._lm_head = self._packing(head) if fits(head) else None
+
     def refresh_lm_head(self, lm_head_weight: torch.Tensor) -> None:
+        self._refresh_lm_head(lm_head_weight)
+        if self._packing is not None:
+            self._pack_lm_head()
+
+    def _refresh_lm_head(self, lm_head_weight: torch.Tensor) -> None:
         if self.config.draft_vocab_size is None:
             self._lm_head_weight = lm_head_weight  # borrowed, like the embedding
             return
@@ -322,7 +350,7 @@ class Drafter(nn.Module):
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self._lm_head_weight is not None, "call bind_target() first"
-        logits = hidden @ self._lm_head_weight.t()
+        logits = self._lm_head(hidden) if self._lm_head is not None else hidden @ self._lm_head_weight.t()
         # Python-side checks: the default config adds no ops (and CUDA graphs see a fixed graph).
         # The Domino correction is added on top of these base logits, as in training.
         cap = self.config.final_logit_softcapping

@@ -55,6 +55,11 @@ class PackedLinear(nn.Module):
             raise AttributeError(f"a {type(self).__name__} keeps no dense weight (keep_dense=False)")
         return self.dense
 
+    @classmethod
+    def fits(cls, linear: nn.Linear) -> bool:
+        """Whether this kind can pack the layer's shape."""
+        return True
+
     def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -97,10 +102,15 @@ class Int4Linear(PackedLinear):
 
     max_rows = 11  # a verify of up to 10 drafts stays on the int4 kernel (see the module's note)
 
+    @classmethod
+    def fits(cls, linear: nn.Linear) -> bool:
+        # Whole groups of inputs; the kernel's layout packs 16 output channels together.
+        return linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0
+
     def __init__(self, linear: nn.Linear, keep_dense: bool = False) -> None:
         super().__init__(linear, keep_dense)
         out_f, in_f = self.out_features, self.in_features
-        if in_f % INT4_GROUP or out_f % 16:  # the kernel's layout packs 16 output channels together
+        if not self.fits(linear):
             raise ValueError(
                 f"int4 needs in_features divisible by {INT4_GROUP} and out_features by 16, got {in_f}, {out_f}"
             )
@@ -121,11 +131,11 @@ class Int4Linear(PackedLinear):
 
 
 def pack_linears(model: nn.Module, kind: type[PackedLinear], dense: nn.Module | None = None) -> int:
-    """Every `nn.Linear` under `model` becomes a `kind` layer (`dense`, e.g. the LM head, keeps its
-    dense weight too); the count replaced."""
+    """Every `nn.Linear` under `model` that `kind` fits becomes a `kind` layer (`dense`, e.g. the LM
+    head, keeps its dense weight too; others stay as they are); the count replaced."""
     count = 0
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and kind.fits(child):
             setattr(model, name, kind(child, keep_dense=child is dense))
             count += 1
         else:

@@ -189,3 +189,34 @@ def test_auto_serves_the_embedded_default_in_a_measured_format(caplog: pytest.Lo
     assert dtype == torch.bfloat16 and "dtype auto:" in caplog.text and "ms int4" in caplog.text
     packed = any(isinstance(m, Int4Linear) for m in model.modules())
     assert ("dtype auto: int4 weights" in caplog.text) == packed
+
+
+def test_a_drafter_beside_an_int4_target_packs_its_layers_and_head_rows_and_stays_lossless() -> None:
+    """`match_packing`: beside an int4 target the drafter's linear layers and its borrowed LM head
+    rows are int4 too; its logits move by quantization only, and greedy `domino` output is still
+    exactly the same engine's `ar` output."""
+    from model.load.loading import match_packing
+
+    model = tiny_target().to(torch.bfloat16)
+    drafter = tiny_drafter(domino=True, draft_vocab_size=64).to(torch.bfloat16)
+    assert match_packing(model, drafter) == 0  # a dense target leaves the drafter dense
+    pack_weights(model, "int4")
+    engine_ar = Engine(TargetModel(model), None, mode="ar", max_batch_size=3, max_model_len=96)
+    dense_logits_engine = Engine(TargetModel(model), drafter, mode="domino", max_batch_size=3, max_model_len=96)
+    hidden = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        dense_logits = drafter.base_logits(hidden)
+    # Per layer q, k, v, o, gate, up, down, and fc; not the head's W1 (88 inputs) nor W2 (8 inputs).
+    assert match_packing(model, drafter) == 2 * 7 + 1
+    assert isinstance(drafter._lm_head, Int4Linear) and drafter._lm_head.out_features == 64
+    with torch.inference_mode():
+        packed_logits = drafter.base_logits(hidden)
+    assert not torch.equal(packed_logits, dense_logits)
+    torch.testing.assert_close(
+        packed_logits.float(), dense_logits.float(), atol=0.15 * float(dense_logits.abs().max()), rtol=0
+    )
+    del dense_logits_engine
+    domino = Engine(TargetModel(model), drafter, mode="domino", max_batch_size=3, max_model_len=96)
+    prompts, budgets = _prompts(3), [10, 7, 12]
+    params = [SamplingParams(max_new_tokens=n) for n in budgets]
+    assert [t for t, _, _ in domino.generate(prompts, params)] == [t for t, _, _ in engine_ar.generate(prompts, params)]
