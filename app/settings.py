@@ -90,10 +90,11 @@ class Settings(BaseSettings):
     )
     dtype: Dtype = Field(
         "auto",
-        description="auto: bf16 on CUDA and on CPUs with native bf16 (for the embedded default there, int4 or "
-        "bf16, whichever a start-up measurement finds faster), else float32; int8: the target's linear "
-        "layers as weight-only int8 with bf16 activations (CPU only; half bf16's bytes a token); int4: the "
-        "decoder's as int4 in groups of 32 (a GGUF Q4_1's own blocks), the LM head int8 (CPU only)",
+        description="auto: bf16 on CUDA and on CPUs with native bf16, else float32 (on a CPU the embedded "
+        "default takes int4 or that dtype, whichever a start-up measurement finds faster); int8: the "
+        "target's linear layers as weight-only int8 (CPU only; half bf16's bytes a token); int4: the "
+        "decoder's as int4 in groups of 32 (a GGUF Q4_1's own blocks), the LM head int8 (CPU only); "
+        "packed layers multiply bf16 rows, the rest runs bf16 with native bf16, else float32",
     )
     device: str = "auto"
     static_shapes: Literal["auto", "on", "off"] = Field(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from bench.report import save_result
-from model.load.loading import DEFAULT_TARGET, DTYPES, cpu_has_native_bf16, load_target
+from model.load.loading import DEFAULT_TARGET, cpu_has_native_bf16, load_target_as
 from model.nn.target import TargetModel
 
 
@@ -61,7 +61,9 @@ def report(seconds: dict[str, dict[int, float]]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="bench.verify_cost", description=__doc__)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="DOMINO_DTYPE values: float32, bfloat16, int4, ..."
+    )
     parser.add_argument("--tokens", default="1,2,3,4,5,7,9")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=300)
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     tokens = [int(t) for t in args.tokens.split(",")]
-    targets = {name: TargetModel(load_target(args.target, DTYPES[name])[0]) for name in args.dtypes.split(",")}
+    targets = {name: TargetModel(load_target_as(args.target, name, "cpu")[0]) for name in args.dtypes.split(",")}
     seconds = time_forwards(targets, tokens, args.batch, args.context, args.repeats, args.quantile)
     result = {
         "seconds": seconds,

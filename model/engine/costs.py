@@ -26,16 +26,26 @@ import torch
 CPU_FP32_VERIFY_CURVE = {1: 1.0, 2: 1.09, 4: 1.48, 8: 1.77, 9: 1.84, 16: 1.94, 17: 2.12}
 CPU_BF16_VERIFY_CURVE = {1: 1.0, 2: 1.01, 4: 1.07, 8: 1.2, 16: 1.38, 24: 1.56, 40: 1.97, 72: 2.85}
 BANDWIDTH_BOUND_VERIFY_CURVE = {1: 1.0, 2: 1.02, 4: 1.05, 9: 1.12, 17: 1.3, 33: 1.9}
+# Packed int4 weights (DOMINO_DTYPE=int4, model/nn/packed.py), the embedded default at context 300,
+# one thread. The int4 kernel's time grows with its rows where bf16's stayed flat. With native bf16
+# (AVX-512 BF16): T = 2 1.17x, T = 3 1.35x (served), T = 5-8 42-49 ms against ~21.7 ms (the
+# docs' int4 section). Without (AVX2 only, bench.verify_cost --dtypes float32,int4): the kernel
+# works in blocks of 4 rows (T = 4 1.3x, T = 5 1.8x), past 11 rows the float32 copy.
+CPU_INT4_VERIFY_CURVE = {1: 1.0, 2: 1.17, 3: 1.35, 5: 1.94, 8: 2.26, 12: 3.2}
+CPU_INT4_FP32_VERIFY_CURVE = {1: 1.0, 2: 1.08, 3: 1.15, 4: 1.3, 5: 1.85, 8: 2.1, 12: 2.95, 16: 3.45, 24: 4.3}
 PRIOR_VERIFY_CURVE = CPU_FP32_VERIFY_CURVE
 PRIOR_DRAFT_FRACTION = 0.15  # drafter step cost relative to a T = 1 verify
 
 VerifyCurve = dict[int, float]
 
 
-def prior_curve_for(device: torch.device | str, dtype: torch.dtype) -> VerifyCurve:
-    """The prior verify-cost curve of a target on `device` in `dtype`."""
+def prior_curve_for(device: torch.device | str, dtype: torch.dtype, int4: bool = False) -> VerifyCurve:
+    """The prior verify-cost curve of a target on `device` in `dtype` (activations'; `int4`: its
+    decoder on packed int4 weights)."""
     if str(device).startswith("cuda"):
         return BANDWIDTH_BOUND_VERIFY_CURVE
+    if int4:
+        return CPU_INT4_VERIFY_CURVE if dtype in (torch.bfloat16, torch.float16) else CPU_INT4_FP32_VERIFY_CURVE
     return CPU_BF16_VERIFY_CURVE if dtype in (torch.bfloat16, torch.float16) else CPU_FP32_VERIFY_CURVE
 
 

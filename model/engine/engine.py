@@ -119,7 +119,7 @@ class Engine:
             draft_threshold=cfg.draft_threshold,
             ngram_max_n=cfg.ngram_max_n,
             ngram_max_drafts=self.ngram_max_drafts,
-            prior=prior_curve_for(target.device, target.dtype),
+            prior=prior_curve_for(target.device, target.dtype, int4="int4" in target.packed_layers()),
         )
         # This device's step costs, measured before any row is admitted (model/engine/cost_probe.py).
         self.cost_probe: CostProbe | None = None

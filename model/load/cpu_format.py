@@ -1,11 +1,12 @@
-"""`DOMINO_DTYPE=auto` for the embedded default on a CPU: int4 or bf16, by a measurement at start-up.
+"""`DOMINO_DTYPE=auto` for the embedded default on a CPU: int4 or dense, by a measurement at start-up.
 
 The embedded default ships as a Q4_1 GGUF, so its int4 packing is the file's own blocks
-(model/nn/packed.py) and costs no accuracy a bf16 copy keeps; which one is faster depends on the
-CPU's kernels (on AVX-512 BF16, one thread: a one-token forward 22 ms int4 against 70 ms bf16).
-Both are built from the float32 weights and one-token forwards of each are timed in turn; the
-faster is kept. Only where the CPU multiplies bf16 natively: both formats take bf16 activations,
-and without native bf16 `auto` stays float32 (unmeasured here; docs/benchmarks.md).
+(model/nn/packed.py) and costs no accuracy a dense copy keeps; which one is faster depends on the
+CPU's kernels. The dense candidate is what `auto` serves other targets in: bf16 where the CPU
+multiplies bf16 natively, else float32; the int4 one runs its other ops in that same dtype (the
+packed kernels take bf16 rows either way). Measured one-token forwards, one thread: AVX-512 BF16
+22 ms int4 against 70 ms bf16; AVX2 only 36 ms int4 against 53 ms float32. Both are built from
+the float32 weights and one-token forwards of each are timed in turn; the faster is kept.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ def one_token_ms(model: PreTrainedModel) -> float:
     return 1e3 * (time.perf_counter() - started)
 
 
-def choose_cpu_format(model: PreTrainedModel) -> tuple[PreTrainedModel, str, dict[str, float]]:
-    """From a float32 model: the faster of its int4 packing and a bf16 copy (the model, 'int4' or
-    'bfloat16', and each one's best one-token ms). The float32 model is consumed."""
+def choose_cpu_format(model: PreTrainedModel, dense: torch.dtype) -> tuple[PreTrainedModel, str, dict[str, float]]:
+    """From a float32 model: the faster of its int4 packing and a `dense` (bf16 or float32) copy,
+    both with `dense` activations (the model, 'int4' or the dense dtype's name, and each one's best
+    one-token ms). The float32 model is consumed."""
     from model.load.loading import pack_weights
 
-    dense = copy.deepcopy(model).to(torch.bfloat16)
+    dense_name = str(dense).removeprefix("torch.")
+    dense_model = copy.deepcopy(model).to(dense)
     pack_weights(model, "int4")
-    packed = model.to(torch.bfloat16)
-    candidates = {"int4": packed, "bfloat16": dense}
+    packed = model.to(dense) if dense != torch.float32 else model  # (`.to` would cast the kernels' bf16 scales)
+    candidates = {"int4": packed, dense_name: dense_model}
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(ROUNDS):
         for name, candidate in candidates.items():

@@ -16,6 +16,7 @@ from model.engine.config import EngineConfig
 from model.engine.engine import Engine
 from model.load.checkpoint import load_drafter
 from model.nn.drafter import Drafter
+from model.nn.packed import cpu_has_native_bf16
 from model.nn.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ DEFAULT_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-domino")
 DEFAULT_DFLASH_DRAFTER_DIR = shipped_drafter_dir("smollm2-135m-dflash")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Weight formats beyond a dtype: the model runs bf16 activations over packed weights
-# (model/nn/packed.py), on the CPU.
+# Weight formats beyond a dtype: packed weights (model/nn/packed.py) on the CPU, bf16 activations
+# (float32 on CPUs without native bf16: resolve_dtype).
 PACKED = {"int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
@@ -48,12 +49,6 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
@@ -69,7 +64,9 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype in PACKED:
         if device != "cpu":
             raise ValueError(f"dtype {dtype!r} (DOMINO_DTYPE) packs weights for the CPU's kernels; {device} has none")
-        return PACKED[dtype]
+        # Without native bf16 only the packed kernels take bf16 (their vectorized path); the rest,
+        # wide inputs included, runs fp32, which such a CPU multiplies ~3x faster than bf16.
+        return PACKED[dtype] if cpu_has_native_bf16() else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES) + sorted(PACKED)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]
@@ -82,19 +79,20 @@ def load_target_as(
     and the weights packed where it asks for it (`pack_weights`); the model, its tokenizer and that
     dtype (what a drafter beside it runs in)."""
     torch_dtype = resolve_dtype(dtype, device)
-    if dtype == "auto" and device == "cpu" and name_or_path == DEFAULT_TARGET and torch_dtype == torch.bfloat16:
+    if dtype == "auto" and device == "cpu" and name_or_path == DEFAULT_TARGET:
         # The embedded default's GGUF holds Q4_1 blocks: int4 is the file itself; measure which pays.
         from model.load.cpu_format import choose_cpu_format
 
         model, tokenizer = load_target(name_or_path, torch.float32, device)
-        model, chosen, timings = choose_cpu_format(model)
+        model, chosen, timings = choose_cpu_format(model, torch_dtype)
         log.info(
-            "dtype auto: %s (native bf16 on this CPU; a one-token forward took %s; int4 packs the GGUF's own Q4_1 "
-            "blocks, bf16 activations)",
-            "int4 weights" if chosen == "int4" else "bfloat16",
+            "dtype auto: %s (%s; a one-token forward took %s; int4 packs the GGUF's own Q4_1 blocks and "
+            "multiplies them on bf16 rows)",
+            f"int4 weights, {_name(torch_dtype)} activations" if chosen == "int4" else _name(torch_dtype),
+            "native bf16 on this CPU" if cpu_has_native_bf16() else "no native bf16 on this CPU",
             ", ".join(f"{ms:.1f} ms {name}" for name, ms in timings.items()),
         )
-        return model, tokenizer, torch.bfloat16
+        return model, tokenizer, torch_dtype
     if dtype not in PACKED:
         model, tokenizer = load_target(name_or_path, torch_dtype, device)
         return model, tokenizer, torch_dtype
@@ -102,8 +100,14 @@ def load_target_as(
     # int4 re-packs into the file's own blocks), then everything left over in the activations' dtype.
     model, tokenizer = load_target(name_or_path, torch.float32, device)
     packed = pack_weights(model, dtype)
-    log.info("%d linear layers packed as weight-only %s (bf16 activations)", packed, dtype)
-    return model.to(torch_dtype), tokenizer, torch_dtype
+    log.info("%d linear layers packed as weight-only %s (%s activations)", packed, dtype, _name(torch_dtype))
+    if torch_dtype != torch.float32:  # (already float32; `.to` would also cast the kernels' bf16 scales)
+        model = model.to(torch_dtype)
+    return model, tokenizer, torch_dtype
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def pack_weights(model: PreTrainedModel, dtype: str) -> int:

@@ -81,8 +81,8 @@ class TargetModel:
         self.tap_layer_ids: list[int] = []
         self.set_taps(tap_layer_ids or [])
 
-    def summary(self) -> str:
-        """What runs a forward, for the start-up log: the weights' format and the decoder's path."""
+    def packed_layers(self) -> dict[str, int]:
+        """Linear layers on packed weights (model/nn/packed.py) by kind ('int4', 'int8'): count."""
         from model.nn.packed import PackedLinear
 
         packed: dict[str, int] = {}
@@ -90,6 +90,11 @@ class TargetModel:
             if isinstance(module, PackedLinear):
                 name = type(module).__name__.removesuffix("Linear").lower()
                 packed[name] = packed.get(name, 0) + 1
+        return packed
+
+    def summary(self) -> str:
+        """What runs a forward, for the start-up log: the weights' format and the decoder's path."""
+        packed = self.packed_layers()
         dtype = str(self.dtype).removeprefix("torch.")
         if packed:
             kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(packed.items()))

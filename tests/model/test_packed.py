@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from model.engine.engine import Engine, SamplingParams
-from model.load.loading import pack_weights, resolve_dtype
+from model.load.loading import cpu_has_native_bf16, pack_weights, resolve_dtype
 from model.nn.packed import Int4Linear, Int8Linear, PackedLinear
 from model.nn.target import TargetModel
 from tests.helpers import tiny_drafter, tiny_target
@@ -28,7 +28,9 @@ def test_an_int8_layer_applies_its_dequantized_weight() -> None:
     # rounding, under 1 % of the value).
     step = dense.abs().amax(1, keepdim=True) / 127
     assert ((w - dense).abs() <= step / 2 + 0.01 * dense.abs()).all()
-    assert packed.dequantized().dtype == torch.bfloat16
+    # The dense copy for wide inputs stays in the layer's dtype (fp32 here: without native bf16 a
+    # bf16 GEMM is emulated); `model.to(torch.bfloat16)` moves it with the rest.
+    assert torch.equal(packed.wide, w) and packed.wide.dtype == torch.float32
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
     expected = (x.float() @ w.T + linear.bias.detach().float()).to(torch.bfloat16)
     torch.testing.assert_close(packed(x), expected, rtol=2e-2, atol=2e-2)
@@ -56,7 +58,9 @@ def test_an_int4_layer_recovers_q4_1_blocks_and_applies_them() -> None:
     scale, zero = packed.scales_zeros.float().unbind(-1)  # [groups, out]
     assert torch.equal(scale.T, d.bfloat16().float()) and torch.equal(zero.T, (m + 8 * d).bfloat16().float())
     applied = ((q - 8) * scale.T[..., None] + zero.T[..., None]).view(out_f, in_f)
-    assert torch.equal(packed.wide, applied.bfloat16())
+    assert torch.equal(packed.wide, applied)
+    assert torch.equal(packed.to(torch.bfloat16).wide, applied.bfloat16())
+    assert packed.scales_zeros.dtype == torch.bfloat16  # the kernel's dtype: already bf16
     # Off the grid, a weight moves by at most half a step (plus the bf16 scale's rounding).
     linear.weight.data = torch.randn(out_f, in_f) * 0.05
     packed = Int4Linear(linear)
@@ -94,21 +98,24 @@ def _dequantized_fp32(model: nn.Module) -> nn.Module:
     return copy.float()
 
 
+@pytest.mark.parametrize("activations", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("packing", ["int8", "int4"])
-def test_a_packed_engine_decodes_what_hf_generate_does_on_the_same_weights(packing: str) -> None:
+def test_a_packed_engine_decodes_what_hf_generate_does_on_the_same_weights(
+    packing: str, activations: torch.dtype
+) -> None:
     """The tiny target packed (int8: the LM head too; int4: the decoder, the LM head int8; the head
-    keeping the dense weight a drafter borrows): `ar` and `domino` greedy output against HF generate
-    in float32 on the weights the packed layers apply. bf16 activations may part from it only at
-    near-ties: where an output first differs, the reference's top two logits are within 2 % of the
-    logits' spread."""
-    model = tiny_target().to(torch.bfloat16)
+    keeping the dense weight a drafter borrows), its other ops in bf16 (CPUs with native bf16) or
+    float32 (without): `ar` and `domino` greedy output against HF generate in float32 on the weights
+    the packed layers apply. bf16 rows may part from it only at near-ties: where an output first
+    differs, the reference's top two logits are within 2 % of the logits' spread."""
+    model = tiny_target().to(activations)
     assert pack_weights(model, packing) == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer; the LM head
     kinds = {type(m) for m in model.modules() if isinstance(m, PackedLinear)}
     assert kinds == ({Int8Linear} if packing == "int8" else {Int4Linear, Int8Linear})
     reference = _dequantized_fp32(model)
     prompts, budgets = _prompts(4), [12, 9, 14, 10]
     refs = [_hf_greedy(reference, p, n) for p, n in zip(prompts, budgets)]
-    for mode, drafter in (("ar", None), ("domino", tiny_drafter(domino=True).to(torch.bfloat16))):
+    for mode, drafter in (("ar", None), ("domino", tiny_drafter(domino=True).to(activations))):
         engine = Engine(TargetModel(model), drafter, mode=mode, max_batch_size=4, max_model_len=96)
         out = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in budgets])
         same = 0
@@ -125,8 +132,10 @@ def test_a_packed_engine_decodes_what_hf_generate_does_on_the_same_weights(packi
 
 
 def test_packed_dtypes_are_cpu_dtypes() -> None:
+    """Packed weights take bf16 activations where the CPU multiplies bf16 natively, else float32
+    (only the packed kernels then see bf16 rows)."""
     for packing in ("int8", "int4"):
-        assert resolve_dtype(packing, "cpu") == torch.bfloat16
+        assert resolve_dtype(packing, "cpu") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
         with pytest.raises(ValueError, match="DOMINO_DTYPE"):
             resolve_dtype(packing, "cuda")
     with pytest.raises(ValueError, match="int4"):
@@ -137,8 +146,10 @@ def test_packed_dtypes_are_cpu_dtypes() -> None:
 def test_a_packed_dtype_builds_a_packed_engine_from_a_checkpoint(
     packing: str, tiny_target_dir: Path, tiny_drafter_dir: Path
 ) -> None:
-    """What `DOMINO_DTYPE=int8|int4` starts: the target's linear layers packed, bf16 elsewhere, the
-    drafter borrowing the LM head's dense rows; it decodes. On a GPU it is refused, naming the setting."""
+    """What `DOMINO_DTYPE=int8|int4` starts: the target's linear layers packed, the rest in the
+    CPU's activation dtype (bf16 with native bf16, else float32; the kernels' scales bf16 either
+    way), the drafter borrowing the LM head's dense rows; it decodes. On a GPU it is refused, naming
+    the setting."""
     from model.load.loading import build_engine
 
     engine, _ = build_engine(
@@ -148,45 +159,52 @@ def test_a_packed_dtype_builds_a_packed_engine_from_a_checkpoint(
     layers = list(engine.target.hf_model.modules())
     kind = Int8Linear if packing == "int8" else Int4Linear
     assert sum(isinstance(m, kind) for m in layers) > 0 and not any(isinstance(m, nn.Linear) for m in layers)
-    assert engine.target.dtype == torch.bfloat16
-    assert all(p.dtype == torch.bfloat16 for p in engine.target.hf_model.parameters())
+    activations = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert engine.target.dtype == activations
+    assert all(p.dtype == activations for p in engine.target.hf_model.parameters())
+    packed = [m for m in layers if isinstance(m, PackedLinear)]
+    assert all(m.wide.dtype == activations for m in packed)
+    assert all(b.dtype != torch.float32 for m in packed for n, b in m.named_buffers() if n in ("scale", "scales_zeros"))
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert len(out[0][0]) == 6
     with pytest.raises(ValueError, match="DOMINO_DTYPE"):
         build_engine(str(tiny_target_dir), None, mode="ar", dtype=packing, device="cuda")
 
 
-def test_auto_on_a_cpu_keeps_the_faster_of_int4_and_bf16() -> None:
-    """`choose_cpu_format` (DOMINO_DTYPE=auto for the embedded default on a native-bf16 CPU) times
-    both formats of the same float32 weights and returns the one it names, ready to decode."""
+@pytest.mark.parametrize("dense", [torch.bfloat16, torch.float32])
+def test_auto_on_a_cpu_keeps_the_faster_of_int4_and_dense(dense: torch.dtype) -> None:
+    """`choose_cpu_format` (DOMINO_DTYPE=auto for the embedded default on a CPU: bf16 the dense
+    format with native bf16, float32 without) times both formats of the same float32 weights and
+    returns the one it names, ready to decode, its other ops in the dense dtype."""
     from model.load.cpu_format import choose_cpu_format
 
     reference = tiny_target()
     prompt = _prompts(1)[0]
-    model, chosen, timings = choose_cpu_format(deepcopy(reference))
-    assert set(timings) == {"int4", "bfloat16"} and all(ms > 0 for ms in timings.values())
+    model, chosen, timings = choose_cpu_format(deepcopy(reference), dense)
+    dense_name = str(dense).removeprefix("torch.")
+    assert set(timings) == {"int4", dense_name} and all(ms > 0 for ms in timings.values())
     assert chosen == min(timings, key=lambda name: timings[name])
     packed = any(isinstance(m, Int4Linear) for m in model.modules())
     assert packed == (chosen == "int4")
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(p.dtype == dense for p in model.parameters())
     engine = Engine(TargetModel(model), None, mode="ar", max_batch_size=1, max_model_len=64)
     assert len(engine.generate([prompt], SamplingParams(max_new_tokens=5))[0][0]) == 5
 
 
 @pytest.mark.slow
 def test_auto_serves_the_embedded_default_in_a_measured_format(caplog: pytest.LogCaptureFixture) -> None:
-    """On a CPU with native bf16 `auto` measures int4 against bf16 for the embedded default and says
-    which it kept and why; elsewhere it loads float32 as before."""
+    """On a CPU `auto` measures int4 against the dense format (bf16 with native bf16, else float32)
+    for the embedded default and says which it kept and why."""
     import logging
 
-    from model.load.loading import DEFAULT_TARGET, cpu_has_native_bf16, load_target_as
+    from model.load.loading import DEFAULT_TARGET, load_target_as
 
     with caplog.at_level(logging.INFO, logger="model.load.loading"):
         model, _, dtype = load_target_as(DEFAULT_TARGET, "auto", "cpu")
-    if not cpu_has_native_bf16():
-        assert dtype == torch.float32 and "dtype auto" not in caplog.text
-        return
-    assert dtype == torch.bfloat16 and "dtype auto:" in caplog.text and "ms int4" in caplog.text
+    native = cpu_has_native_bf16()
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert "dtype auto:" in caplog.text and "ms int4" in caplog.text
+    assert ("native bf16 on this CPU" if native else "no native bf16 on this CPU") in caplog.text
     packed = any(isinstance(m, Int4Linear) for m in model.modules())
     assert ("dtype auto: int4 weights" in caplog.text) == packed
 

@@ -128,6 +128,8 @@ def test_prior_curve_follows_where_the_target_runs() -> None:
         BANDWIDTH_BOUND_VERIFY_CURVE,
         CPU_BF16_VERIFY_CURVE,
         CPU_FP32_VERIFY_CURVE,
+        CPU_INT4_FP32_VERIFY_CURVE,
+        CPU_INT4_VERIFY_CURVE,
         prior_curve_for,
     )
     from model.engine.policy import stopping_drafts
@@ -135,6 +137,9 @@ def test_prior_curve_follows_where_the_target_runs() -> None:
     assert prior_curve_for("cpu", torch.float32) is CPU_FP32_VERIFY_CURVE
     assert prior_curve_for("cpu", torch.bfloat16) is CPU_BF16_VERIFY_CURVE
     assert prior_curve_for("cuda:0", torch.float32) is BANDWIDTH_BOUND_VERIFY_CURVE
+    # Packed int4 weights: the kernel's time grows with its rows, with native bf16 or without.
+    assert prior_curve_for("cpu", torch.bfloat16, int4=True) is CPU_INT4_VERIFY_CURVE
+    assert prior_curve_for("cpu", torch.float32, int4=True) is CPU_INT4_FP32_VERIFY_CURVE
     confidence = np.full((1, 8), 0.6)
     budget = np.array([8])
     on_cpu_fp32 = int(stopping_drafts(confidence, budget, curve=CPU_FP32_VERIFY_CURVE)[0])
