@@ -329,3 +329,19 @@ def test_sampling_rows_without_a_seed_pause_drafting_that_does_not_pay() -> None
     results = seeded.generate(prompts, SamplingParams(max_new_tokens=40, temperature=1.0, seed=5))
     assert seeded.draft_forwards == max(s.verify_steps for _, s, _ in results)
     assert sum(s.draft_tokens for _, s, _ in results) > 0
+
+
+def test_a_new_request_gets_one_probe_not_a_fresh_start_where_drafting_does_not_pay() -> None:
+    """Where drafting never pays (costs linear in tokens, a random drafter), each admission shortens
+    the current pause so that the new text is tried soon, but keeps the pause's length: one drafting
+    step that does not pay pauses again. (Restarting from the shortest pause cost three drafting
+    steps per admission: at concurrency 8 that was most of `domino`'s loss to `ar`.)"""
+    model = tiny_target()
+    prompts = _prompts(8)
+    engine = _engine(model, "domino", 2, draft_policy="adaptive", ngram=False)
+    engine.policy.costs = LinearCosts()
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert all(len(tokens) == 24 for tokens, _, _ in results)
+    # 3 failing drafting steps before the first pause, then at most one probe per admission (7
+    # here; 16 when each admission restarted from the shortest pause).
+    assert engine.draft_forwards <= 3 + len(prompts), engine.draft_forwards
