@@ -41,12 +41,11 @@ def choose_cpu_format(model: PreTrainedModel, dense: torch.dtype) -> tuple[PreTr
     """From a float32 model: the faster of its int4 packing and a `dense` (bf16 or float32) copy,
     both with `dense` activations (the model, 'int4' or the dense dtype's name, and each one's best
     one-token ms). The float32 model is consumed."""
-    from model.load.loading import pack_weights
+    from model.load.loading import pack_as
 
     dense_name = str(dense).removeprefix("torch.")
     dense_model = copy.deepcopy(model).to(dense)
-    pack_weights(model, "int4")
-    packed = model.to(dense) if dense != torch.float32 else model  # (`.to` would cast the kernels' bf16 scales)
+    packed, _ = pack_as(model, "int4", dense)
     candidates = {"int4": packed, dense_name: dense_model}
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(ROUNDS):

@@ -97,13 +97,21 @@ def load_target_as(
         model, tokenizer = load_target(name_or_path, torch_dtype, device)
         return model, tokenizer, torch_dtype
     # Packed from the float32 weights (for the embedded default: the GGUF's values exactly, which
-    # int4 re-packs into the file's own blocks), then everything left over in the activations' dtype.
+    # int4 re-packs into the file's own blocks).
     model, tokenizer = load_target(name_or_path, torch.float32, device)
-    packed = pack_weights(model, dtype)
+    model, packed = pack_as(model, dtype, torch_dtype)
     log.info("%d linear layers packed as weight-only %s (%s activations)", packed, dtype, _name(torch_dtype))
-    if torch_dtype != torch.float32:  # (already float32; `.to` would also cast the kernels' bf16 scales)
-        model = model.to(torch_dtype)
     return model, tokenizer, torch_dtype
+
+
+def pack_as(model: PreTrainedModel, dtype: str, activations: torch.dtype) -> tuple[PreTrainedModel, int]:
+    """A float32 model's weights packed (`pack_weights`), then everything left over in
+    `activations`; the model and the count packed. A float32 model is left as it is: `.to` would
+    also cast the kernels' bf16 scales."""
+    packed = pack_weights(model, dtype)
+    if activations != torch.float32:
+        model = model.to(activations)
+    return model, packed
 
 
 def _name(dtype: torch.dtype) -> str:
